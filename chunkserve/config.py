@@ -1,0 +1,148 @@
+"""The one configuration module: dataclasses whose field names match vLLM's flags.
+
+A leaf module (imports nothing from chunkserve) so that `core/` can take its config from here
+without pointing an arrow upwards.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+CHUNKED_SCHEDULERS = ("decode-first", "vllm-v1")
+NO_CHUNK_SCHEDULERS = ("prefill-first", "orca")
+SCHEDULERS = CHUNKED_SCHEDULERS + NO_CHUNK_SCHEDULERS
+PREEMPTION_MODES = ("recompute", "swap")
+SCHEDULING_POLICIES = ("fcfs", "priority")
+DTYPES = ("auto", "float32", "bfloat16")
+
+# vLLM's server default budget; also the article's "balanced" setting.
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+
+@dataclass
+class ModelConfig:
+    model: str = "smollm2-135m"
+    dtype: str = "auto"  # auto: bfloat16 linears where the CPU has AVX512_BF16, else float32
+    max_model_len: int | None = None  # None: the model's own context length
+    seed: int = 0
+    served_model_name: str | None = None
+
+    def verify(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}.")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}.")
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    kv_cache_memory: float | None = None  # GiB; None: DEFAULT_KV_CACHE_GIB
+    num_kv_blocks: int | None = None  # overrides kv_cache_memory when set
+    swap_space: float = 4.0  # GiB of host memory for swapped-out blocks
+    preemption_mode: str = "recompute"
+
+    def verify(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be positive, got {self.block_size}.")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}.")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be positive (GiB), got {self.kv_cache_memory}.")
+        if self.swap_space < 0:
+            raise ValueError(f"swap_space must be non-negative (GiB), got {self.swap_space}.")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(
+                f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}."
+            )
+
+
+DEFAULT_KV_CACHE_GIB = 2.0
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_batched_tokens: int | None = None  # None: 2048 chunked, max_model_len otherwise
+    max_num_seqs: int = 256
+    max_model_len: int = 8192  # filled in from the model by the engine
+    enable_chunked_prefill: bool | None = None  # None: follows `scheduler`
+    scheduler: str | None = None  # None: decode-first if chunking, prefill-first if not
+    long_prefill_token_threshold: int = 0  # 0: off
+    scheduling_policy: str = "fcfs"
+
+    @property
+    def chunked(self) -> bool:
+        return self.scheduler in CHUNKED_SCHEDULERS
+
+    def finalize(self) -> None:
+        """Resolves the defaults that depend on each other, then validates."""
+        if self.scheduler is None:
+            self.scheduler = "prefill-first" if self.enable_chunked_prefill is False else "decode-first"
+        if self.scheduler not in SCHEDULERS:
+            raise ValueError(f"scheduler must be one of {SCHEDULERS}, got {self.scheduler!r}.")
+        if self.enable_chunked_prefill is None:
+            self.enable_chunked_prefill = self.chunked
+        if self.enable_chunked_prefill != self.chunked:
+            raise ValueError(
+                f"scheduler {self.scheduler!r} "
+                f"{'always chunks' if self.chunked else 'never chunks'}; it cannot run with "
+                f"enable_chunked_prefill={self.enable_chunked_prefill}."
+            )
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = (
+                DEFAULT_MAX_NUM_BATCHED_TOKENS if self.chunked else self.max_model_len
+            )
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}."
+            )
+        if not self.chunked and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than "
+                f"max_model_len ({self.max_model_len}). Without chunked prefill a prompt must fit "
+                "in one step, so this would refuse long prompts. Please increase "
+                "max_num_batched_tokens, decrease max_model_len, or enable chunked prefill."
+            )
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}.")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError("long_prefill_token_threshold must be non-negative.")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
+                f"got {self.scheduling_policy!r}."
+            )
+
+
+@dataclass
+class EngineConfig:
+    model_config: ModelConfig = field(default_factory=ModelConfig)
+    cache_config: CacheConfig = field(default_factory=CacheConfig)
+    scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    trace_file: str | None = None
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        """Spreads flat vLLM-style keyword arguments over the sub-configs by field name."""
+        parts: dict[str, dict[str, Any]] = {"model": {}, "cache": {}, "scheduler": {}}
+        owners = {
+            "model": {f.name for f in fields(ModelConfig)},
+            "cache": {f.name for f in fields(CacheConfig)},
+            # max_model_len belongs to the model config; the engine copies it across.
+            "scheduler": {f.name for f in fields(SchedulerConfig)} - {"max_model_len"},
+        }
+        trace_file = kwargs.pop("trace_file", None)
+        for key, value in kwargs.items():
+            owner = next((name for name, keys in owners.items() if key in keys), None)
+            if owner is None:
+                raise TypeError(f"unknown engine argument {key!r}")
+            parts[owner][key] = value
+        config = cls(
+            ModelConfig(**parts["model"]),
+            CacheConfig(**parts["cache"]),
+            SchedulerConfig(**parts["scheduler"]),
+            trace_file,
+        )
+        config.model_config.verify()
+        config.cache_config.verify()
+        return config

@@ -1,0 +1,54 @@
+"""What one `Scheduler.schedule()` call decides: the step's batch, and the cache moves it needs."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from chunkserve.core.kv_cache import KVCacheStats
+from chunkserve.core.request import Request
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+    start: int  # num_computed_tokens before this step: the first new token's position
+    is_decode: bool
+    block_table: list[int]  # the manager's live table (already grown for this step)
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step catches the request up, so that it yields a new token."""
+        return self.start + self.num_new_tokens == self.request.num_tokens
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.request.all_token_ids[self.start : self.start + self.num_new_tokens]
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]
+    preempted_req_ids: list[str] = field(default_factory=list)
+    # Finished (or aborted) since the previous step: the runner drops their per-request state.
+    finished_req_ids: list[str] = field(default_factory=list)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
+    kv_stats: KVCacheStats | None = None
+    num_running: int = 0
+    num_waiting: int = 0
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled if s.is_decode)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled if not s.is_decode)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled and not self.blocks_to_swap_out

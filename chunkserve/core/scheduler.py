@@ -1,0 +1,270 @@
+"""The step scheduler: which requests run this step, and how many tokens each.
+
+One `schedule()` per engine step. It never touches tensors or clocks, so the real engine and
+the simulator drive the very same code. Policies (`SchedulerConfig.scheduler`):
+
+- ``decode-first`` (Sarathi-Serve's decode-maximal batching, the default): every decoding
+  request gets its token first, then partial prefills continue, then waiting requests are
+  admitted FCFS; each prefill chunk takes what is left of ``max_num_batched_tokens``.
+- ``vllm-v1``: one pass over the running list in admission order (decodes and partial prefills
+  interleaved), then admission — vLLM V1's order, where an early long prefill can eat the budget.
+- ``prefill-first`` (no chunking, vLLM V0's default): a step of whole prompts if any can be
+  admitted, else a step of decodes only. Decodes wait for every prefill: head-of-line blocking.
+- ``orca`` (no chunking): decodes plus whole prompts that fit the remaining budget, mixed.
+
+When a block cannot be allocated the most recently admitted running request is preempted,
+by recompute (KV dropped, it re-prefills prompt + output) or swap (KV copied to host).
+"""
+from __future__ import annotations
+
+from collections import deque
+
+from chunkserve.config import CacheConfig, SchedulerConfig
+from chunkserve.core.kv_cache import KVCacheManager, SwapSpace
+from chunkserve.core.request import Request, RequestStatus
+from chunkserve.core.sched_output import ScheduledRequest, SchedulerOutput
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        cache_config: CacheConfig,
+        num_kv_blocks: int,
+        num_swap_blocks: int = 0,
+    ) -> None:
+        config.finalize()
+        self.config = config
+        self.cache_config = cache_config
+        self.kv = KVCacheManager(num_kv_blocks, cache_config.block_size)
+        self.swap = SwapSpace(num_swap_blocks if cache_config.preemption_mode == "swap" else 0)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order: the last one is the next victim
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+        self._finished_ids: list[str] = []
+        # Per-step scratch, reset by schedule().
+        self._budget = 0
+        self._scheduled: dict[str, ScheduledRequest] = {}
+        self._stalled = False  # a running prefill found no memory: admit nobody past it
+        self._out = SchedulerOutput(scheduled=[])
+
+    # ---- queue management -------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
+        """Ends requests from outside the step (abort, stop string); unknown ids are ignored."""
+        assert status.finished
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None or req.status.finished:
+                continue
+            if req in self.running:
+                self.running.remove(req)
+            elif req in self.waiting:
+                self.waiting.remove(req)
+            req.status = status
+            self._release(req)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _release(self, req: Request) -> None:
+        self.kv.free(req.request_id)
+        self.swap.free(req.request_id)
+        self.requests.pop(req.request_id, None)
+        self._finished_ids.append(req.request_id)
+
+    # ---- the step -----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        self._budget = self.config.max_num_batched_tokens
+        self._scheduled = {}
+        self._stalled = False
+        self._out = SchedulerOutput(scheduled=[], finished_req_ids=self._finished_ids)
+        self._finished_ids = []
+
+        policy = self.config.scheduler
+        if policy == "decode-first":
+            self._schedule_decodes()
+            self._schedule_partial_prefills()
+            self._admit_waiting()
+        elif policy == "vllm-v1":
+            self._schedule_running_in_order()
+            self._admit_waiting()
+        elif policy == "prefill-first":
+            self._admit_waiting()
+            if not self._scheduled:
+                self._schedule_decodes()
+        elif policy == "orca":
+            self._schedule_decodes()
+            self._admit_waiting()
+        else:  # finalize() rejects unknown names; this guards against later edits
+            raise AssertionError(policy)
+
+        out = self._out
+        out.scheduled = list(self._scheduled.values())
+        out.kv_stats = self.kv.stats()
+        out.num_running = len(self.running)
+        out.num_waiting = len(self.waiting)
+        return out
+
+    def _schedule_decodes(self) -> None:
+        for req in list(self.running):
+            if self._budget <= 0:
+                break
+            if req.status is RequestStatus.RUNNING and req.is_decoding:
+                self._try_schedule(req, 1, may_preempt=True)
+
+    def _schedule_partial_prefills(self) -> None:
+        for req in list(self.running):
+            if self._budget <= 0:
+                break
+            if req.status is not RequestStatus.RUNNING or req.request_id in self._scheduled:
+                continue
+            # With decodes already in the step, a prefill that finds no memory waits for them
+            # to free blocks rather than evicting someone; alone, it must make room to progress.
+            if not self._try_schedule(req, self._chunk(req), may_preempt=not self._scheduled):
+                self._stalled = True
+                break
+
+    def _schedule_running_in_order(self) -> None:
+        for req in list(self.running):
+            if self._budget <= 0:
+                break
+            if req.status is RequestStatus.RUNNING:
+                self._try_schedule(req, self._chunk(req), may_preempt=True)
+
+    def _admit_waiting(self) -> None:
+        # vLLM: no admission in a step that preempted, or one whose prefills stalled on memory.
+        if self._out.preempted_req_ids or self._stalled:
+            return
+        while self.waiting and self._budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self._peek_waiting()
+            n = self._chunk(req)
+            if not self.config.chunked and n < req.num_uncomputed_tokens:
+                break  # a whole prompt must fit the step: wait for a step with more budget
+            blocks_before = self.swap.tables.get(req.request_id, [])
+            if self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n) is None:
+                break  # strict FCFS: nobody overtakes a request that does not fit
+            self._remove_waiting(req)
+            if req.swapped_out:
+                table = self.kv.block_tables[req.request_id]
+                self._out.blocks_to_swap_in += self.swap.swap_in(
+                    req.request_id, table[: len(blocks_before)]
+                )
+                req.swapped_out = False
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            self._commit(req, n)
+
+    # ---- helpers --------------------------------------------------------------------------------
+    def _chunk(self, req: Request) -> int:
+        n = req.num_uncomputed_tokens
+        threshold = self.config.long_prefill_token_threshold
+        # A chunk-size cap: only meaningful when chunking. A no-chunk policy must run the whole
+        # prompt in one step, so capping it there would leave the prompt waiting forever.
+        if threshold > 0 and self.config.chunked:
+            n = min(n, threshold)
+        return min(n, self._budget)
+
+    def _try_schedule(self, req: Request, n: int, may_preempt: bool) -> bool:
+        """Allocates KV for `n` more tokens of a running request and adds it to the step."""
+        if n <= 0:
+            return False
+        while self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n) is None:
+            if not may_preempt:
+                return False
+            victim = self._pick_victim()
+            self._preempt(victim)
+            if victim is req:
+                return False
+        self._commit(req, n)
+        return True
+
+    def _commit(self, req: Request, n: int) -> None:
+        rid = req.request_id
+        self._scheduled[rid] = ScheduledRequest(
+            request=req,
+            num_new_tokens=n,
+            start=req.num_computed_tokens,
+            is_decode=req.is_decoding,
+            block_table=self.kv.block_tables[rid],
+        )
+        # Optimistic, as in vLLM: the tokens count as computed once scheduled.
+        req.num_computed_tokens += n
+        self._budget -= n
+
+    def _pick_victim(self) -> Request:
+        candidates = [r for r in self.running if r.request_id not in self._scheduled]
+        if self.config.scheduling_policy == "priority":
+            # Lowest priority (largest value), then latest arrival.
+            return max(candidates, key=lambda r: (r.priority, r.arrival_time))
+        return candidates[-1]
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        table = self.kv.block_tables.get(req.request_id, [])
+        if self.swap.can_swap_out(len(table)):
+            self._out.blocks_to_swap_out += self.swap.swap_out(req.request_id, list(table))
+            req.swapped_out = True
+        else:  # recompute (also the fallback when the swap space is full)
+            req.num_computed_tokens = 0
+        self.kv.free(req.request_id)
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+        self._out.preempted_req_ids.append(req.request_id)
+
+    def _peek_waiting(self) -> Request:
+        if self.config.scheduling_policy == "priority":
+            return min(self.waiting, key=lambda r: (r.priority, r.arrival_time))
+        return self.waiting[0]
+
+    def _remove_waiting(self, req: Request) -> None:
+        if self.waiting[0] is req:
+            self.waiting.popleft()
+        else:
+            self.waiting.remove(req)
+
+    # ---- after the step -------------------------------------------------------------------------
+    def update_from_output(
+        self, output: SchedulerOutput, sampled: dict[str, int]
+    ) -> list[Request]:
+        """Appends sampled tokens, applies the token-level stop rules, frees finished requests.
+
+        Returns the requests that got a token this step (finished ones included). Stop strings
+        need text, so the engine checks them and calls `finish_requests`.
+        """
+        updated: list[Request] = []
+        for sr in output.scheduled:
+            req = sr.request
+            token = sampled.get(req.request_id)
+            if token is None or req.status is not RequestStatus.RUNNING:
+                continue
+            req.append_output_token(token)
+            status = self._check_stop(req, token)
+            if status is not None:
+                self.running.remove(req)
+                req.status = status
+                self._release(req)
+            updated.append(req)
+        return updated
+
+    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
+        params = req.sampling_params
+        if req.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token in req.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token in params.stop_token_ids:
+                req.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and req.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if req.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None

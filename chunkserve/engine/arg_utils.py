@@ -1,0 +1,49 @@
+"""Command-line flags for the engine, spelled as vLLM spells them, mapped onto EngineConfig."""
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from chunkserve.config import DTYPES, PREEMPTION_MODES, SCHEDULERS, SCHEDULING_POLICIES, EngineConfig
+
+
+def add_engine_args(p: argparse.ArgumentParser, model_flag: bool = True) -> None:
+    if model_flag:
+        p.add_argument("--model", default="smollm2-135m",
+                       help="'smollm2-135m', a .gguf file or a HF folder (config.json + safetensors)")
+    p.add_argument("--dtype", choices=DTYPES, default="auto",
+                   help="auto: bfloat16 on CPUs with AVX512_BF16, else float32")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    g = p.add_argument_group("scheduling")
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None)
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="per-step token budget (the chunk size); default 2048 when chunking")
+    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--scheduler", choices=SCHEDULERS, default=None,
+                   help="default: decode-first when chunking, prefill-first otherwise")
+    g.add_argument("--long-prefill-token-threshold", type=int, default=0)
+    g.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default="fcfs")
+    c = p.add_argument_group("KV cache")
+    c.add_argument("--block-size", type=int, default=16)
+    c.add_argument("--kv-cache-memory", type=float, default=None, help="GiB (default 2)")
+    c.add_argument("--num-kv-blocks", type=int, default=None, help="overrides --kv-cache-memory")
+    c.add_argument("--preemption-mode", choices=PREEMPTION_MODES, default="recompute")
+    c.add_argument("--swap-space", type=float, default=4.0, help="GiB of host swap (swap mode)")
+    p.add_argument("--trace-file", default=None, help="write one JSON line per engine step")
+
+
+ENGINE_KEYS = (
+    "model", "dtype", "max_model_len", "seed", "enable_chunked_prefill",
+    "max_num_batched_tokens", "max_num_seqs", "scheduler", "long_prefill_token_threshold",
+    "scheduling_policy", "block_size", "kv_cache_memory", "num_kv_blocks", "preemption_mode",
+    "swap_space", "trace_file",
+)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    return {k: getattr(args, k) for k in ENGINE_KEYS if hasattr(args, k)}
+
+
+def config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig.from_kwargs(**engine_kwargs(args))

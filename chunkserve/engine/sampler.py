@@ -1,0 +1,160 @@
+"""Turn a batch of logits into one sampled token per row, with per-row parameters.
+
+Order of operations (vLLM v1's `Sampler`):
+  1. logprobs, when asked, come from the *raw* logits (vLLM's default
+     `logprobs_mode="raw_logprobs"`), before any masking or temperature.
+  2. min_tokens: while a request has produced fewer than `min_tokens` tokens its
+     stop_token_ids are masked to -inf, and so are the EOS ids unless `ignore_eos`.
+     This mirrors vLLM, where the mask is `all_stop_token_ids` and EOS is only a
+     member of that set when `ignore_eos` is False (with ignore_eos EOS never
+     stops a request, so there is nothing to suppress).
+  3. greedy rows (temperature ~ 0) take the argmax and ignore top-k/top-p/min-p.
+  4. other rows: divide by temperature, then min-p, then top-k and top-p, then
+     draw with `torch.multinomial`. min-p runs before top-k/top-p as in vLLM
+     (min-p is an "argmax-invariant logits processor" applied before the
+     top-k/top-p sampler); the order matters for top-p because top-p sees the
+     distribution renormalised after min-p's cut.
+
+Seeded rows draw from their own generator one row at a time, so a seeded request
+gets the same tokens whatever else shares its batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from chunkserve.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    """What the runner passes for one row of the logits."""
+
+    params: SamplingParams
+    # Per-request generator when params.seed is set, created once per request by
+    # the runner; None draws from torch's default generator.
+    generator: torch.Generator | None
+    num_output_tokens: int  # tokens generated so far, for min_tokens
+    eos_token_ids: list[int]
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    # Per row: (sampled token, logprob) first, then the top-`params.logprobs`
+    # (token, logprob) pairs of the raw log-softmax. Rows that did not ask get [].
+    # None when no row in the batch asked.
+    logprobs: list[list[tuple[int, float]]] | None
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(f"logits {tuple(logits.shape)} do not match {len(rows)} rows")
+        raw = logits
+        logits = _apply_min_tokens(logits, rows)
+
+        greedy = [i for i, r in enumerate(rows) if r.params.greedy]
+        random = [i for i, r in enumerate(rows) if not r.params.greedy]
+        token_ids = torch.empty(len(rows), dtype=torch.long)
+        if greedy:
+            # An all-greedy batch is one argmax over the whole tensor.
+            picked = logits if not random else logits[greedy]
+            token_ids[greedy] = picked.argmax(dim=-1).cpu()
+        if random:
+            sub_rows = [rows[i] for i in random]
+            probs = _filtered_probs(logits[random], [r.params for r in sub_rows])
+            token_ids[random] = _draw(probs, sub_rows)
+
+        ids = token_ids.tolist()
+        return SamplerOutput(token_ids=ids, logprobs=_gather_logprobs(raw, rows, ids))
+
+
+def _apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Mask EOS/stop ids for rows still below min_tokens; copies only when needed."""
+    masked: torch.Tensor | None = None
+    for i, row in enumerate(rows):
+        p = row.params
+        if row.num_output_tokens >= p.min_tokens:
+            continue
+        banned = list(p.stop_token_ids or [])
+        if not p.ignore_eos:
+            banned += row.eos_token_ids
+        banned = [t for t in banned if 0 <= t < logits.shape[1]]
+        if not banned:
+            continue
+        if masked is None:
+            masked = logits.clone()  # never modify the caller's tensor
+        masked[i, banned] = float("-inf")
+    return logits if masked is None else masked
+
+
+def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Temperature, min-p, top-k, top-p for the non-greedy rows; returns probabilities.
+
+    Every step is row-wise, so a row's result does not depend on its neighbours.
+    """
+    n, vocab = logits.shape
+    dev = logits.device
+    temp = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
+    logits = logits.float() / temp.unsqueeze(1)
+
+    min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=dev)
+    if bool((min_p > 0).any()):
+        probs = logits.softmax(dim=-1)
+        threshold = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
+
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=dev)
+    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
+    if bool((top_k < vocab).any()) or bool((top_p < 1.0).any()):
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        rank = torch.arange(vocab, device=dev).expand(n, vocab)
+        drop = rank >= top_k.unsqueeze(1)
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        # Nucleus: keep the smallest prefix whose mass reaches top_p, i.e. drop a
+        # token when the mass strictly before it already reaches top_p. The top
+        # token has zero mass before it, so it is always kept.
+        sorted_probs = sorted_logits.softmax(dim=-1)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        drop = mass_before >= top_p.unsqueeze(1)
+        drop[:, 0] = False
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+    return logits.softmax(dim=-1)
+
+
+def _draw(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """One multinomial draw per row; seeded rows each use their own generator."""
+    out = torch.empty(len(rows), dtype=torch.long)
+    unseeded = [i for i, r in enumerate(rows) if r.generator is None]
+    if unseeded:
+        out[unseeded] = torch.multinomial(probs[unseeded], 1).squeeze(1).cpu()
+    for i, row in enumerate(rows):
+        gen = row.generator
+        if gen is None:
+            continue
+        # A CPU generator cannot drive a CUDA multinomial: draw where it lives.
+        row_probs = probs[i].to(gen.device)
+        out[i] = int(torch.multinomial(row_probs, 1, generator=gen).item())
+    return out
+
+
+def _gather_logprobs(
+    raw: torch.Tensor, rows: list[SamplingRow], token_ids: list[int]
+) -> list[list[tuple[int, float]]] | None:
+    asked = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    if not asked:
+        return None
+    result: list[list[tuple[int, float]]] = [[] for _ in rows]
+    logprobs = raw[asked].float().log_softmax(dim=-1).cpu()
+    for lp, i in zip(logprobs, asked):
+        entries = [(token_ids[i], float(lp[token_ids[i]]))]
+        n = min(rows[i].params.logprobs or 0, lp.shape[0])
+        if n:
+            values, indices = lp.topk(n)
+            entries += list(zip(indices.tolist(), values.tolist()))
+        result[i] = entries
+    return result

@@ -1,0 +1,75 @@
+"""The offline API: `LLM(model=...).generate(prompts, SamplingParams(...))`, as in vLLM."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from chunkserve.engine.llm_engine import LLMEngine
+from chunkserve.model.factory import LoadedModel
+from chunkserve.outputs import RequestOutput
+from chunkserve.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    def __init__(
+        self, model: str = "smollm2-135m", loaded: LoadedModel | None = None, **kwargs: Any
+    ) -> None:
+        self.engine = LLMEngine.from_kwargs(loaded=loaded, model=model, **kwargs)
+
+    def get_tokenizer(self):  # type: ignore[no-untyped-def]
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Runs all prompts to completion together (continuous batching) in input order."""
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError("prompts and sampling_params must have the same length")
+
+        ids: list[str] = []
+        try:
+            for prompt, p in zip(prompts, params):
+                ids.append(self.engine.add_request(None, prompt, p))
+        except ValueError:
+            self.engine.abort_request(ids)  # all or nothing: no half-submitted batch
+            raise
+        results: dict[str, RequestOutput] = {}
+        progress = _progress(len(ids)) if use_tqdm else None
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished:
+                    results[out.request_id] = out
+                    if progress is not None:
+                        progress.update(1)
+        if progress is not None:
+            progress.close()
+        return [results[i] for i in ids]
+
+    def chat(
+        self,
+        messages: list[dict[str, str]],
+        sampling_params: SamplingParams | None = None,
+    ) -> RequestOutput:
+        prompt = self.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        ids = self.engine.tokenizer.encode(prompt, add_special_tokens=False)
+        return self.generate([ids], sampling_params)[0]
+
+
+def _progress(total: int):  # type: ignore[no-untyped-def]
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="Processed prompts")

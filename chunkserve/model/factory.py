@@ -1,0 +1,56 @@
+"""From a model name to a ready model: resolve, load weights and tokenizer, pick the dtype."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+from chunkserve.model.llama import LlamaModel
+from chunkserve.model.llama_config import LlamaConfig
+from chunkserve.model.tokenizer import Tokenizer, load_tokenizer
+from chunkserve.model.loader import load_weights, resolve_model_path
+
+
+@dataclass
+class LoadedModel:
+    path: str
+    config: LlamaConfig
+    model: LlamaModel
+    tokenizer: Tokenizer
+    max_model_len: int
+
+
+@lru_cache(maxsize=1)
+def cpu_has_avx512_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return "avx512_bf16" in f.read()
+    except OSError:
+        return False
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    if name == "float32":
+        return torch.float32
+    if name == "bfloat16":
+        return torch.bfloat16
+    if name == "auto":
+        # Without native bf16 dot products a CPU emulates bf16 GEMMs slower than fp32 ones.
+        return torch.bfloat16 if cpu_has_avx512_bf16() else torch.float32
+    raise ValueError(f"dtype must be auto, float32 or bfloat16, got {name!r}")
+
+
+def load_model(name: str, dtype: str = "auto", max_model_len: int | None = None) -> LoadedModel:
+    path = resolve_model_path(name)
+    config, weights = load_weights(path)
+    tokenizer = load_tokenizer(path)
+    limit = config.max_position_embeddings
+    if max_model_len is None:
+        max_model_len = limit
+    elif max_model_len > limit:
+        raise ValueError(
+            f"max_model_len ({max_model_len}) is larger than the model's context length ({limit})."
+        )
+    model = LlamaModel(config, weights, resolve_dtype(dtype), max_positions=max_model_len)
+    return LoadedModel(path, config, model, tokenizer, max_model_len)

@@ -1,0 +1,57 @@
+"""Architecture hyper-parameters of a Llama-family decoder (HF `config.json` names)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class LlamaConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int | None = None  # None: hidden_size // num_attention_heads
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    # HF's dict, e.g. {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+    # "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}.
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any]) -> LlamaConfig:
+        eos = d.get("eos_token_id")
+        eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        rope_scaling = d.get("rope_scaling")
+        # transformers >= 5 may write rope settings under "rope_parameters" instead.
+        rope_params = d.get("rope_parameters") or {}
+        if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
+            rope_scaling = dict(rope_params)
+        return cls(
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=d["num_attention_heads"],
+            num_key_value_heads=d.get("num_key_value_heads") or d["num_attention_heads"],
+            head_dim=d.get("head_dim"),
+            rms_norm_eps=d.get("rms_norm_eps", 1e-5),
+            rope_theta=d.get("rope_theta", rope_params.get("rope_theta", 10000.0)),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=d.get("max_position_embeddings", 2048),
+            tie_word_embeddings=d.get("tie_word_embeddings", False),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )

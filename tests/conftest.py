@@ -1,0 +1,51 @@
+"""Shared fixtures: the real SmolLM2 GGUF and a tiny random-weight Llama in a HF folder."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+# Nothing in the suite may reach a model hub.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> str:
+    from chunkserve.model.loader import resolve_model_path
+
+    return resolve_model_path("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_path: str) -> str:
+    """A 2-layer random Llama (GQA, untied head) with SmolLM2's tokenizer, saved as safetensors.
+
+    The larger init range makes the random logits peaked, so greedy decoding has clear winners
+    and token-identity tests compare scheduling, not floating-point coin flips.
+    """
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    path = tmp_path_factory.mktemp("tiny-llama")
+    tok = AutoTokenizer.from_pretrained(
+        os.path.dirname(smollm2_path), gguf_file=os.path.basename(smollm2_path)
+    )
+    config = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        initializer_range=0.2,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)

@@ -1,0 +1,349 @@
+"""Paged KV-cache bookkeeping: BlockPool, KVCacheManager, SwapSpace, and block accounting
+under random scheduler workloads (a hypothesis property test). Pure Python, no torch."""
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from chunkserve.config import CHUNKED_SCHEDULERS, CacheConfig, SchedulerConfig
+from chunkserve.core.kv_cache import BlockPool, KVCacheManager, SwapSpace
+from chunkserve.core.request import Request, RequestStatus
+from chunkserve.core.sched_output import SchedulerOutput
+from chunkserve.core.scheduler import Scheduler
+from chunkserve.sampling_params import SamplingParams
+
+POLICIES = ("decode-first", "vllm-v1", "prefill-first", "orca")
+TOKEN = 7  # what the fake runner always samples
+EOS = 2  # never sampled, so requests run to max_tokens unless stopped from outside
+
+
+# ---- BlockPool ------------------------------------------------------------------------------
+def test_pool_rejects_empty() -> None:
+    """A pool must have at least one block."""
+    with pytest.raises(ValueError):
+        BlockPool(0)
+
+
+def test_pool_takes_lowest_ids_then_reuses_freed_ones() -> None:
+    """Without a hint the pool hands out the lowest free ids; freed ids become available again."""
+    pool = BlockPool(8)
+    assert pool.take(3, None) == [0, 1, 2]
+    assert pool.num_free == 5
+    pool.give_back([1])
+    assert pool.take(2, None) == [1, 3]
+    assert pool.num_free == 4
+
+
+def test_pool_prefers_block_after_hint() -> None:
+    """`after` makes the pool continue a run of consecutive ids when the next id is free."""
+    pool = BlockPool(8)
+    pool.take(2, None)  # 0, 1
+    assert pool.take(2, after=4) == [5, 6]
+    # 7 is free and follows 6; then 8 does not exist, so it falls back to the lowest free id.
+    assert pool.take(2, after=6) == [7, 2]
+
+
+def test_pool_double_free_is_caught() -> None:
+    """Returning a block twice is a bookkeeping bug and trips an assertion."""
+    pool = BlockPool(4)
+    blocks = pool.take(2, None)
+    pool.give_back(blocks)
+    with pytest.raises(AssertionError):
+        pool.give_back(blocks[:1])
+
+
+# ---- KVCacheManager -------------------------------------------------------------------------
+@pytest.mark.parametrize("block_size", [1, 3, 4, 16])
+def test_incremental_allocation_holds_ceil_tokens_over_block_size(block_size: int) -> None:
+    """Growing a request token by token keeps exactly ceil(tokens / block_size) blocks."""
+    kv = KVCacheManager(num_blocks=64, block_size=block_size)
+    for tokens in range(1, 60):
+        new = kv.allocate_slots("a", tokens)
+        assert new is not None
+        assert len(kv.block_tables["a"]) == math.ceil(tokens / block_size)
+        # A new block appears exactly when the previous ones are full.
+        assert len(new) == (1 if (tokens - 1) % block_size == 0 else 0)
+
+
+def test_blocks_needed_counts_only_extra_blocks() -> None:
+    """blocks_needed is what is missing beyond the request's current table."""
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    assert kv.blocks_needed("a", 9) == 3
+    kv.allocate_slots("a", 5)
+    assert kv.blocks_needed("a", 5) == 0
+    assert kv.blocks_needed("a", 9) == 1
+    assert kv.blocks_needed("a", 3) == 0  # never negative
+
+
+def test_allocation_is_all_or_nothing() -> None:
+    """When the pool is short, allocate_slots returns None and takes no block at all."""
+    kv = KVCacheManager(num_blocks=4, block_size=4)
+    assert kv.allocate_slots("a", 8) == [0, 1]
+    assert kv.allocate_slots("b", 12) is None  # needs 3, 2 free
+    assert kv.pool.num_free == 2
+    assert "b" not in kv.block_tables
+    assert kv.allocate_slots("a", 20) is None  # needs 3 more
+    assert kv.block_tables["a"] == [0, 1]
+    assert kv.can_allocate(2) and not kv.can_allocate(3)
+
+
+def test_free_returns_all_blocks() -> None:
+    """free() gives every block back, forgets the table, and is a no-op for unknown ids."""
+    kv = KVCacheManager(num_blocks=8, block_size=2)
+    kv.allocate_slots("a", 5)
+    kv.allocate_slots("b", 3)
+    assert kv.free("a") == [0, 1, 2]
+    assert "a" not in kv.block_tables
+    assert kv.pool.num_free == 6
+    assert kv.free("missing") == []
+    kv.free("b")
+    assert kv.pool.num_free == 8
+    assert kv.stats().internal_fragmentation == 0
+
+
+def test_growth_prefers_consecutive_ids() -> None:
+    """A growing request continues after its last block when that id is free, else the lowest."""
+    kv = KVCacheManager(num_blocks=16, block_size=1)
+    kv.allocate_slots("a", 1)  # [0]
+    kv.allocate_slots("b", 1)  # [1]
+    kv.allocate_slots("a", 3)  # 1 is taken: lowest free is 2, then 3 follows it
+    assert kv.block_tables["a"] == [0, 2, 3]
+    kv.allocate_slots("a", 4)
+    assert kv.block_tables["a"] == [0, 2, 3, 4]
+    kv.free("b")
+    kv.allocate_slots("c", 2)  # lowest free (1), then 5 (2..4 are a's)
+    assert kv.block_tables["c"] == [1, 5]
+
+
+def test_stats_usage_and_internal_fragmentation() -> None:
+    """usage = used / total; internal fragmentation = allocated slots - stored tokens."""
+    kv = KVCacheManager(num_blocks=10, block_size=4)
+    stats = kv.stats()
+    assert (stats.num_used_blocks, stats.num_free_blocks, stats.usage) == (0, 10, 0.0)
+    kv.allocate_slots("a", 5)  # 2 blocks, 8 slots, 5 tokens
+    kv.allocate_slots("b", 4)  # 1 block, full
+    stats = kv.stats()
+    assert stats.num_blocks == 10
+    assert stats.num_used_blocks == 3
+    assert stats.num_free_blocks == 7
+    assert stats.usage == pytest.approx(0.3)
+    assert stats.internal_fragmentation == 3 * 4 - (5 + 4)
+    kv.allocate_slots("a", 7)  # same blocks, more tokens stored
+    assert kv.stats().internal_fragmentation == 12 - 11
+
+
+# ---- SwapSpace ------------------------------------------------------------------------------
+def test_swap_space_disabled_with_zero_blocks() -> None:
+    """A zero-sized swap space can never swap out (the scheduler then recomputes)."""
+    swap = SwapSpace(0)
+    assert not swap.can_swap_out(0) and not swap.can_swap_out(1)
+    assert swap.num_used == 0
+    swap.free("anything")  # harmless
+
+
+def test_swap_out_then_in_pairs_blocks_and_frees_host() -> None:
+    """swap_out pairs (device, host); swap_in pairs the same host blocks with new device blocks."""
+    swap = SwapSpace(4)
+    assert swap.can_swap_out(3) and not swap.can_swap_out(5)
+    pairs_out = swap.swap_out("a", [9, 3, 5])
+    assert [d for d, _ in pairs_out] == [9, 3, 5]
+    host = [h for _, h in pairs_out]
+    assert len(set(host)) == 3 and swap.num_used == 3
+    assert not swap.can_swap_out(2)
+    pairs_in = swap.swap_in("a", [0, 1, 2])
+    assert pairs_in == list(zip(host, [0, 1, 2]))
+    assert swap.num_used == 0 and "a" not in swap.tables
+
+
+def test_swap_free_releases_host_blocks() -> None:
+    """Aborting a swapped-out request frees its host blocks."""
+    swap = SwapSpace(4)
+    swap.swap_out("a", [0, 1])
+    swap.free("a")
+    assert swap.num_used == 0
+    swap.free("a")  # idempotent
+
+
+# ---- property test: block accounting under random scheduler workloads ----------------------
+def check_invariants(sched: Scheduler) -> None:
+    """Every device/host block is owned by at most one request, or free; never both, never lost."""
+    kv = sched.kv
+    owned = [b for table in kv.block_tables.values() for b in table]
+    assert len(owned) <= kv.num_blocks, "more blocks in use than exist"
+    assert len(owned) == len(set(owned)), "a block is owned by two requests (or twice)"
+    assert all(0 <= b < kv.num_blocks for b in owned)
+    assert not set(owned) & kv.pool._free, "a block is both owned and free"
+    assert len(owned) + kv.pool.num_free == kv.num_blocks, "blocks leaked"
+    stats = kv.stats()
+    assert stats.num_used_blocks == len(owned)
+    assert stats.internal_fragmentation >= 0
+
+    # Tables belong exactly to the running requests, sized for their computed tokens.
+    running_ids = {r.request_id for r in sched.running}
+    assert set(kv.block_tables) == running_ids
+    assert len(sched.running) <= sched.config.max_num_seqs
+    for req in sched.running:
+        assert req.status is RequestStatus.RUNNING
+        assert 0 < req.num_computed_tokens <= req.num_tokens
+        assert len(kv.block_tables[req.request_id]) == math.ceil(
+            req.num_computed_tokens / kv.block_size
+        )
+    for req in sched.waiting:
+        assert req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+        if not req.swapped_out:
+            assert req.num_computed_tokens == 0
+    assert running_ids.isdisjoint(r.request_id for r in sched.waiting)
+
+    # Host blocks: only swapped-out waiting requests hold them.
+    swap = sched.swap
+    host = [b for table in swap.tables.values() for b in table]
+    assert len(host) == len(set(host))
+    assert set(swap.tables) == {r.request_id for r in sched.waiting if r.swapped_out}
+    assert swap.num_used == len(host)
+    if swap.pool is not None:
+        assert not set(host) & swap.pool._free
+        assert len(host) + swap.pool.num_free == swap.pool.num_blocks
+
+
+def check_step(sched: Scheduler, out: SchedulerOutput) -> None:
+    """The batch respects the budget; no-chunk policies run whole prompts only."""
+    assert out.total_num_scheduled_tokens <= sched.config.max_num_batched_tokens
+    ids = [sr.request.request_id for sr in out.scheduled]
+    assert len(ids) == len(set(ids))
+    assert set(ids).isdisjoint(out.preempted_req_ids)
+    for sr in out.scheduled:
+        assert sr.num_new_tokens >= 1
+        assert len(sr.block_table) * sched.kv.block_size >= sr.start + sr.num_new_tokens
+        if not sched.config.chunked:
+            assert sr.samples, "a no-chunk policy split a prompt"
+
+
+def fake_step(sched: Scheduler) -> SchedulerOutput:
+    out = sched.schedule()
+    check_step(sched, out)
+    sched.update_from_output(out, {sr.request.request_id: TOKEN for sr in out.scheduled if sr.samples})
+    return out
+
+
+@settings(
+    max_examples=150,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(data=st.data())
+def test_random_operations_keep_block_accounting_consistent(data: st.DataObject) -> None:
+    """Random adds, steps, stops, aborts and memory pressure, on every policy and preemption
+    mode: block ownership stays exclusive and complete after every operation, and nothing leaks
+    once everything is aborted or has run to completion (with its full max_tokens)."""
+    policy = data.draw(st.sampled_from(POLICIES), label="policy")
+    mode = data.draw(st.sampled_from(["recompute", "swap"]), label="preemption_mode")
+    block_size = data.draw(st.sampled_from([1, 2, 4]), label="block_size")
+    num_blocks = data.draw(st.integers(2, 12), label="num_blocks")
+    # The engine refuses a cache smaller than max_model_len, and prompt + max_tokens <= it.
+    capacity = num_blocks * block_size
+    # Mostly near the cache size, so a few requests are enough to run out of blocks.
+    max_model_len = data.draw(
+        st.one_of(st.integers(max(2, capacity // 2), capacity), st.integers(2, capacity)),
+        label="max_model_len",
+    )
+    chunked = policy in CHUNKED_SCHEDULERS
+    low = 1 if chunked else max_model_len
+    budget = data.draw(st.integers(low, 2 * max_model_len), label="budget")
+    threshold = data.draw(st.one_of(st.just(0), st.integers(1, max_model_len)), label="threshold")
+    config = SchedulerConfig(
+        scheduler=policy,
+        max_num_batched_tokens=budget,
+        max_model_len=max_model_len,
+        max_num_seqs=data.draw(st.sampled_from([1, 2, 4, 256]), label="max_num_seqs"),
+        long_prefill_token_threshold=threshold,
+        scheduling_policy=data.draw(st.sampled_from(["fcfs", "priority"]), label="sched_policy"),
+    )
+    num_swap = data.draw(st.integers(0, 2 * num_blocks), label="num_swap_blocks")
+    sched = Scheduler(
+        config, CacheConfig(block_size=block_size, preemption_mode=mode), num_blocks, num_swap
+    )
+    expected: dict[str, Request] = {}  # requests that must end by max_tokens
+    next_id = 0
+
+    def add(prompt_len: int, longest: bool = False) -> None:
+        nonlocal next_id
+        most = max_model_len - prompt_len
+        max_tokens = most if longest else data.draw(st.integers(1, most), label="max_tokens")
+        req = Request(
+            f"r{next_id}",
+            [TOKEN + 1] * prompt_len,
+            SamplingParams(max_tokens=max_tokens, temperature=0),
+            arrival_time=float(next_id),
+            eos_token_ids=[EOS],
+            priority=data.draw(st.integers(0, 2), label="priority"),
+        )
+        next_id += 1
+        sched.add_request(req)
+        expected[req.request_id] = req
+
+    def pick_live() -> str | None:
+        live = sorted(sched.requests)
+        return data.draw(st.sampled_from(live), label="victim") if live else None
+
+    ops = data.draw(
+        st.lists(
+            st.sampled_from(
+                ["add", "add", "step", "step", "step", "stop", "abort", "abort_mid_step", "pressure"]
+            ),
+            min_size=1,
+            max_size=30,
+        ),
+        label="ops",
+    )
+    for op in ops:
+        if op == "add":
+            add(data.draw(st.integers(1, max_model_len - 1), label="prompt_len"))
+        elif op == "step":
+            fake_step(sched)
+        elif op in ("stop", "abort"):
+            rid = pick_live()
+            if rid is not None:
+                status = RequestStatus.FINISHED_STOPPED if op == "stop" else RequestStatus.FINISHED_ABORTED
+                sched.finish_requests([rid], status)
+                assert expected.pop(rid).status is status
+        elif op == "abort_mid_step":
+            # Abort between schedule() and update_from_output(): the token is dropped.
+            out = sched.schedule()
+            check_step(sched, out)
+            rid = pick_live()
+            if rid is not None:
+                sched.finish_requests([rid], RequestStatus.FINISHED_ABORTED)
+                expected.pop(rid)
+            sched.update_from_output(
+                out, {sr.request.request_id: TOKEN for sr in out.scheduled if sr.samples}
+            )
+        elif op == "pressure":
+            # Short-ish prompts that decode up to max_model_len: admitted while their prompts
+            # fit, they then outgrow the pool as they decode, which forces preemptions.
+            for _ in range(data.draw(st.integers(2, 4), label="burst")):
+                add(data.draw(st.integers(1, max(1, max_model_len // 2)), label="prompt_len"), True)
+            for _ in range(data.draw(st.integers(1, 2 * max_model_len), label="pressure_steps")):
+                fake_step(sched)
+        check_invariants(sched)
+
+    if data.draw(st.booleans(), label="abort_all_at_end"):
+        sched.finish_requests(list(sched.requests), RequestStatus.FINISHED_ABORTED)
+        assert not sched.has_unfinished_requests()
+    else:
+        for _ in range(5000):
+            if not sched.has_unfinished_requests():
+                break
+            fake_step(sched)
+            check_invariants(sched)
+        assert not sched.has_unfinished_requests(), "requests never finished (livelock?)"
+        for req in expected.values():
+            assert req.status is RequestStatus.FINISHED_LENGTH
+            assert req.num_output_tokens == req.sampling_params.max_tokens
+    check_invariants(sched)
+    assert sched.kv.pool.num_free == num_blocks and not sched.kv.block_tables
+    assert sched.swap.num_used == 0 and not sched.swap.tables
+    assert not sched.requests
+    event(f"preempted: {sched.num_preemptions > 0}")

@@ -1,0 +1,132 @@
+"""Scheduling must never change what a greedy request generates.
+
+Chunk budget, policy, batch neighbours and preemption (recompute or swap) only change *when*
+tokens are computed; the tokens themselves must be identical to generating each prompt alone.
+"""
+from __future__ import annotations
+
+import pytest
+
+from chunkserve import LLM, SamplingParams
+from chunkserve.model.factory import LoadedModel, load_model
+
+MAX_TOKENS = 12
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+
+
+def _prompts(n_tokens: list[int]) -> list[list[int]]:
+    # Deterministic, varied token ids well inside the vocabulary.
+    return [[(7919 * (i + 1) + 104729 * j) % 40000 + 100 for j in range(n)] for i, n in enumerate(n_tokens)]
+
+
+def _generate(loaded: LoadedModel, prompts: list[list[int]], **kwargs: object) -> tuple[list, LLM]:
+    llm = LLM(loaded=loaded, dtype="float32", **kwargs)
+    outs = llm.generate(prompts, GREEDY)
+    return [o.outputs[0].token_ids for o in outs], llm
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir: str) -> LoadedModel:
+    return load_model(tiny_model_dir, "float32", max_model_len=256)
+
+
+def _alone(loaded: LoadedModel, prompts: list[list[int]]) -> list[list[int]]:
+    """Each prompt generated alone, in one whole-prompt step."""
+    ref = []
+    for p in prompts:
+        tokens, _ = _generate(loaded, [p], model=loaded.path, max_num_batched_tokens=4096)
+        ref.append(tokens[0])
+    assert all(len(t) == MAX_TOKENS for t in ref)
+    return ref
+
+
+@pytest.fixture(scope="module")
+def tiny_prompts() -> list[list[int]]:
+    return _prompts([5, 23, 40, 70, 150])
+
+
+@pytest.fixture(scope="module")
+def tiny_reference(tiny: LoadedModel, tiny_prompts: list[list[int]]) -> list[list[int]]:
+    return _alone(tiny, tiny_prompts)
+
+
+@pytest.fixture(scope="module")
+def crowded_prompts() -> list[list[int]]:
+    # 248 prompt tokens fill 16 blocks of 16 exactly, and lengths of 15 mod 16 leave each last
+    # block one slot short: once all are running, every decode soon needs a block nobody has.
+    return _prompts([31, 31, 31, 31, 31, 31, 47, 15])
+
+
+@pytest.fixture(scope="module")
+def crowded_reference(tiny: LoadedModel, crowded_prompts: list[list[int]]) -> list[list[int]]:
+    return _alone(tiny, crowded_prompts)
+
+
+@pytest.mark.parametrize("scheduler", ["decode-first", "vllm-v1"])
+@pytest.mark.parametrize("budget", [16, 32, 64, 4096])
+def test_chunked_policies_match_alone(tiny, tiny_prompts, tiny_reference, scheduler, budget):
+    tokens, _ = _generate(
+        tiny, tiny_prompts, model=tiny.path, scheduler=scheduler, max_num_batched_tokens=budget
+    )
+    assert tokens == tiny_reference
+
+
+@pytest.mark.parametrize("scheduler", ["prefill-first", "orca"])
+@pytest.mark.parametrize("budget", [256, 4096])  # no-chunk budgets must hold max_model_len
+def test_no_chunk_policies_match_alone(tiny, tiny_prompts, tiny_reference, scheduler, budget):
+    tokens, _ = _generate(
+        tiny, tiny_prompts, model=tiny.path, scheduler=scheduler, max_num_batched_tokens=budget
+    )
+    assert tokens == tiny_reference
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+@pytest.mark.parametrize("scheduler,budget", [
+    ("decode-first", 32), ("decode-first", 64), ("vllm-v1", 32), ("prefill-first", 256),
+    ("orca", 256),
+])
+def test_forced_preemption_matches_alone(
+    tiny, crowded_prompts, crowded_reference, mode, scheduler, budget
+):
+    tokens, llm = _generate(
+        tiny, crowded_prompts, model=tiny.path, scheduler=scheduler, max_num_batched_tokens=budget,
+        num_kv_blocks=16, preemption_mode=mode,
+    )
+    assert llm.engine.scheduler.num_preemptions > 0
+    if mode == "swap":
+        assert any(r.num_swapped_blocks for r in llm.engine.trace.records)
+    assert tokens == crowded_reference
+    assert llm.engine.scheduler.kv.stats().num_used_blocks == 0
+
+
+# ---- the real model: fewer combinations, same property --------------------------------------
+@pytest.fixture(scope="module")
+def smollm2(smollm2_path: str) -> LoadedModel:
+    return load_model(smollm2_path, "float32", max_model_len=512)
+
+
+def test_smollm2_chunking_and_preemption_keep_tokens(smollm2: LoadedModel):
+    prompts = [
+        smollm2.tokenizer.encode(t)
+        for t in [
+            "The history of the printing press begins in",
+            "def fibonacci(n):\n    ",
+            "Chunked prefill splits long prompts into pieces so that " * 3,
+        ]
+    ]
+    ref = []
+    for p in prompts:
+        tokens, _ = _generate(smollm2, [p], model=smollm2.path, max_num_batched_tokens=4096)
+        ref.append(tokens[0])
+    for kwargs in [
+        dict(max_num_batched_tokens=16),
+        dict(max_num_batched_tokens=64, scheduler="vllm-v1"),
+        dict(scheduler="prefill-first", max_num_batched_tokens=512),
+        # 4 blocks of 16 hold one request at a time: preemption is forced.
+        dict(max_num_batched_tokens=32, max_model_len=64, num_kv_blocks=4),
+        dict(max_num_batched_tokens=32, max_model_len=64, num_kv_blocks=4, preemption_mode="swap"),
+    ]:
+        tokens, llm = _generate(smollm2, prompts, model=smollm2.path, **kwargs)
+        assert tokens == ref, kwargs
+        if "num_kv_blocks" in kwargs:
+            assert llm.engine.scheduler.num_preemptions > 0, kwargs
