@@ -297,7 +297,8 @@ def test_resolve_paths_and_missing(tmp_path: Path, smol_path: str) -> None:
     (tmp_path / "config.json").write_text("{}")
     assert resolve_model_path(str(tmp_path)) == str(tmp_path)
     for bad in (str(tmp_path / "nope.gguf"), str(tmp_path / "nope"), "some-org/unknown-model"):
-        with pytest.raises(ValueError, match="not found: expected 'smollm2-135m', a .gguf file or a HF folder"):
+        expected = "not found: expected 'smollm2-135m', a .gguf file or a HF folder"
+        with pytest.raises(ValueError, match=expected):
             resolve_model_path(bad)
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="not found"):

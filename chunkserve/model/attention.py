@@ -94,23 +94,27 @@ class TorchPagedAttention:
     def _decode(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         # The query heads sharing a KV head become that head's "query rows": one SDPA call with
         # kv_heads batches and no repeat of K/V.
-        qg = q.view(self.num_kv_heads, self.group, self.head_dim)
+        # (4-D inputs: PyTorch's fused CPU kernel only takes [batch, heads, len, dim]; 3-D ones
+        # fall back to the unfused math path, 2-5x slower.)
+        qg = q.view(1, self.num_kv_heads, self.group, self.head_dim)
         o = F.scaled_dot_product_attention(
-            qg, keys.transpose(0, 1), values.transpose(0, 1), scale=self.scale
+            qg, keys.transpose(0, 1)[None], values.transpose(0, 1)[None], scale=self.scale
         )
         return o.reshape(1, -1)
 
     def _prefill(
         self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, seq: SeqSpan
     ) -> torch.Tensor:
-        qh = q.transpose(0, 1)  # [heads, L, d]
-        kh = keys.transpose(0, 1).repeat_interleave(self.group, dim=0)
-        vh = values.transpose(0, 1).repeat_interleave(self.group, dim=0)
+        qh = q.transpose(0, 1)[None]  # [1, heads, L, d]
+        # K/V are repeated per query head: the fused kernel has no GQA mode, and the copy is
+        # small next to a prefill's attention FLOPs.
+        kh = keys.transpose(0, 1).repeat_interleave(self.group, dim=0)[None]
+        vh = values.transpose(0, 1).repeat_interleave(self.group, dim=0)[None]
         if seq.mask is None:  # the chunk is the whole context so far: plain causal
             o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=self.scale)
         else:
             o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=seq.mask, scale=self.scale)
-        return o.transpose(0, 1).reshape(seq.q_len, -1)
+        return o[0].transpose(0, 1).reshape(seq.q_len, -1)
 
 
 def _read(flat: torch.Tensor, seq: SeqSpan, block_size: int) -> torch.Tensor:

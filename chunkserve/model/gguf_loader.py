@@ -125,7 +125,9 @@ def _read_config(reader: gguf.GGUFReader, path: str) -> LlamaConfig:
     if vocab_size is None:
         embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
         if embd is None:
-            raise ValueError(f"{path}: cannot tell the vocabulary size (no vocab_size, tokens or token_embd).")
+            raise ValueError(
+                f"{path}: cannot tell the vocabulary size (no vocab_size, tokens or token_embd)."
+            )
         vocab_size = int(embd.shape[1])
 
     rope_theta = _f32(meta("rope.freq_base", 10000.0))

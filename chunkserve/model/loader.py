@@ -86,7 +86,8 @@ def _check_weights(path: str, config: LlamaConfig, weights: dict[str, torch.Tens
         )
     for name, shape in shapes.items():
         if tuple(weights[name].shape) != shape:
-            raise ValueError(f"{path}: tensor {name} has shape {tuple(weights[name].shape)}, expected {shape}.")
+            got = tuple(weights[name].shape)
+            raise ValueError(f"{path}: tensor {name} has shape {got}, expected {shape}.")
 
 
 def load_weights(path: str) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:

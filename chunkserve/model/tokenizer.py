@@ -47,7 +47,9 @@ class Tokenizer:
     def from_hf_dir(cls, path: str) -> Tokenizer:
         tok_file = os.path.join(path, "tokenizer.json")
         if not os.path.isfile(tok_file):
-            raise ValueError(f"{path}: no tokenizer.json (slow/sentencepiece-only tokenizers are not supported).")
+            raise ValueError(
+                f"{path}: no tokenizer.json (slow/sentencepiece-only tokenizers are not supported)."
+            )
         tokenizer = HFTokenizer.from_file(tok_file)
         config: dict[str, Any] = {}
         config_file = os.path.join(path, "tokenizer_config.json")

@@ -1,0 +1,125 @@
+"""Logits parity with an independent implementation: HF transformers on the same weights."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from chunkserve.engine.model_runner import ModelRunner
+from chunkserve.model.attention import AttentionMetadata, SeqSpan, block_runs, causal_mask
+from chunkserve.model.factory import LoadedModel, load_model
+from chunkserve.model.llama import LlamaModel
+
+
+def full_logits(model: LlamaModel, ids: list[int], chunk: int | None = None) -> torch.Tensor:
+    """Logits at every position, running the prompt through the paged cache in chunks."""
+    block_size = 16
+    n = len(ids)
+    runner = ModelRunner(model, num_kv_blocks=-(-n // block_size), block_size=block_size)
+    table = list(range(-(-n // block_size)))
+    chunk = chunk or n
+    parts = []
+    for start in range(0, n, chunk):
+        end = min(start + chunk, n)
+        pos = torch.arange(start, end)
+        slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in pos])
+        mask = causal_mask(start, end - start) if start > 0 and end - start > 1 else None
+        span = SeqSpan(0, end - start, end, block_runs(table, -(-end // block_size)), mask)
+        hidden = model.forward(
+            torch.tensor(ids[start:end]), pos, runner.kv_caches, AttentionMetadata(slots, [span])
+        )
+        parts.append(model.compute_logits(hidden))
+    return torch.cat(parts)
+
+
+@pytest.fixture(scope="module")
+def smollm2_fp32(smollm2_path: str) -> LoadedModel:
+    return load_model(smollm2_path, "float32", max_model_len=512)
+
+
+@pytest.fixture(scope="module")
+def hf_smollm2(smollm2_path: str):  # type: ignore[no-untyped-def]
+    """transformers' Llama on transformers' own reading of the GGUF (its own dequantization
+    and q/k un-permutation), so nothing of ours is shared with the reference."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    parsed = load_gguf_checkpoint(smollm2_path, return_tensors=False)["config"]
+    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+            "num_attention_heads", "num_key_value_heads", "rms_norm_eps", "rope_theta",
+            "max_position_embeddings")
+    config = LlamaConfig(**{k: parsed[k] for k in keys}, tie_word_embeddings=True)
+    with torch.device("meta"):
+        skeleton = LlamaForCausalLM(config)
+    tensors = load_gguf_checkpoint(
+        smollm2_path, return_tensors=True, model_to_load=skeleton, torch_dtype=torch.float32
+    )["tensors"]
+    model = LlamaForCausalLM(config)
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}  # tied to the embedding
+    model.tie_weights()
+    return model.float().eval()
+
+
+@pytest.fixture(scope="module")
+def prompt64(smollm2_fp32: LoadedModel) -> list[int]:
+    text = (
+        "Chunked prefill splits a long prompt into pieces under a per-step token budget, so "
+        "that the requests already decoding keep receiving a token every step instead of "
+        "waiting behind one enormous prefill. The cost is a longer time to first token, "
+        "because the prompt now needs several steps before its first token finally appears."
+    )
+    ids = smollm2_fp32.tokenizer.encode(text)
+    assert len(ids) >= 64
+    return ids[:64]
+
+
+def test_smollm2_logits_match_transformers(smollm2_fp32, hf_smollm2, prompt64):
+    ours = full_logits(smollm2_fp32.model, prompt64)
+    with torch.no_grad():
+        ref = hf_smollm2(torch.tensor([prompt64])).logits[0].float()
+    assert ours.shape == ref.shape
+    assert (ours - ref).abs().max().item() <= 1e-3
+
+
+def test_chunked_prefill_logits_match_whole(smollm2_fp32, prompt64):
+    whole = full_logits(smollm2_fp32.model, prompt64)
+    for chunk in (7, 16, 33):
+        chunked = full_logits(smollm2_fp32.model, prompt64, chunk=chunk)
+        assert (chunked - whole).abs().max().item() <= 1e-4, chunk
+
+
+def test_tiny_hf_folder_matches_transformers(tiny_model_dir: str):
+    from transformers import AutoModelForCausalLM
+
+    loaded = load_model(tiny_model_dir, "float32", max_model_len=256)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    ids = list(range(1000, 1100))
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    assert (full_logits(loaded.model, ids, chunk=30) - ref).abs().max().item() <= 1e-4
+
+
+def test_llama3_rope_scaling_matches_transformers(tmp_path):
+    """Llama-3.1 rope scaling: frequencies and logits equal transformers' on a random model."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from chunkserve.model.hf_loader import load_hf_dir
+
+    config = LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=1024,
+        rope_theta=500000.0, tie_word_embeddings=True,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+    )
+    torch.manual_seed(1)
+    hf = LlamaForCausalLM(config).eval()
+    hf.save_pretrained(tmp_path)
+    cfg, weights = load_hf_dir(str(tmp_path))
+    ours = LlamaModel(cfg, weights, torch.float32, max_positions=1024)
+    ids = [(i * 37) % 256 for i in range(300)]  # past the original 64 positions
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    assert (full_logits(ours, ids, chunk=100) - ref).abs().max().item() <= 1e-4
