@@ -351,3 +351,28 @@ def test_random_operations_keep_block_accounting_consistent(data: st.DataObject)
     assert sched.swap.num_used == 0 and not sched.swap.tables
     assert not sched.requests
     event(f"preempted: {sched.num_preemptions > 0}")
+
+
+def test_new_requests_are_placed_with_room_to_grow() -> None:
+    """A new request starts a run long enough for its expected size, so growth stays consecutive
+    even when several requests grow in turn (the runner then reads views, not copies)."""
+    kv = KVCacheManager(num_blocks=64, block_size=4)
+    for rid in "abc":
+        kv.allocate_slots(rid, 8, expected_tokens=32)  # 2 blocks now, room for 8
+    for tokens in range(9, 33):
+        for rid in "abc":
+            kv.allocate_slots(rid, tokens, expected_tokens=32)
+    for rid in "abc":
+        table = kv.block_tables[rid]
+        assert len(table) == 8 and table == list(range(table[0], table[0] + 8))
+
+
+def test_placement_falls_back_when_no_run_is_long_enough() -> None:
+    """Room is a hint: with no long free run the request still gets any free blocks."""
+    kv = KVCacheManager(num_blocks=6, block_size=1)
+    kv.allocate_slots("a", 1, expected_tokens=1)
+    kv.allocate_slots("b", 1, expected_tokens=1)
+    kv.allocate_slots("c", 1, expected_tokens=1)
+    kv.free("b")
+    assert kv.allocate_slots("d", 3, expected_tokens=100) is not None
+    assert kv.stats().num_free_blocks == 1

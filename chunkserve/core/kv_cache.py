@@ -12,8 +12,12 @@ from dataclasses import dataclass
 class BlockPool:
     """A fixed set of block ids with a free set.
 
-    Allocation prefers the block right after the request's last one, then the lowest free id:
-    runs of consecutive ids let the runner attend over views of the cache instead of gathering.
+    Placement keeps each request's blocks consecutive where it can, because the runner then
+    attends over a *view* of the cache instead of copying the blocks together every step:
+    growth takes the block right after the request's last one; a new request is placed
+    next-fit at the start of a free run long enough for its expected final size (`room`), so
+    that its later growth finds the following ids still free. This only chooses *which* free
+    ids to hand out: nothing is reserved, and under pressure any free block is used.
     """
 
     def __init__(self, num_blocks: int) -> None:
@@ -23,15 +27,22 @@ class BlockPool:
         self._free: set[int] = set(range(num_blocks))
         # Lowest free id is found by scanning up from this hint; ids below it are all in use.
         self._low = 0
+        self._cursor = 0  # where the next-fit search for a new request's run starts
 
     @property
     def num_free(self) -> int:
         return len(self._free)
 
-    def take(self, n: int, after: int | None) -> list[int]:
+    def take(self, n: int, after: int | None, room: int | None = None) -> list[int]:
         assert n <= len(self._free), "caller must check capacity first"
-        out: list[int] = []
         nxt = None if after is None else after + 1
+        if nxt is None and room is not None:
+            nxt = self._find_run(max(room, n)) if room <= len(self._free) else None
+            if nxt is None:
+                nxt = self._find_run(n)
+            if nxt is not None:
+                self._cursor = nxt + max(room, n)
+        out: list[int] = []
         for _ in range(n):
             if nxt is not None and nxt in self._free:
                 block = nxt
@@ -43,6 +54,19 @@ class BlockPool:
             out.append(block)
             nxt = block + 1
         return out
+
+    def _find_run(self, length: int) -> int | None:
+        """First id of `length` consecutive free ids, from the cursor on, then from 0.
+
+        O(num_blocks) at worst, and only called when a request gets its first block.
+        """
+        for lo in (self._cursor, 0):
+            run = 0
+            for block in range(lo, self.num_blocks):
+                run = run + 1 if block in self._free else 0
+                if run == length:
+                    return block - length + 1
+        return None
 
     def give_back(self, blocks: list[int]) -> None:
         for block in blocks:
@@ -81,13 +105,19 @@ class KVCacheManager:
     def can_allocate(self, num_blocks: int) -> bool:
         return num_blocks <= self.pool.num_free
 
-    def allocate_slots(self, request_id: str, num_tokens: int) -> list[int] | None:
-        """Grows the request's table to hold `num_tokens` tokens; None if the pool is short."""
+    def allocate_slots(
+        self, request_id: str, num_tokens: int, expected_tokens: int | None = None
+    ) -> list[int] | None:
+        """Grows the request's table to hold `num_tokens` tokens; None if the pool is short.
+
+        `expected_tokens` (prompt + max output) is a placement hint only: see BlockPool.
+        """
         need = self.blocks_needed(request_id, num_tokens)
         if need > self.pool.num_free:
             return None
         table = self.block_tables.setdefault(request_id, [])
-        new = self.pool.take(need, table[-1] if table else None)
+        room = None if expected_tokens is None else -(-expected_tokens // self.block_size)
+        new = self.pool.take(need, table[-1] if table else None, room)
         table.extend(new)
         self._num_stored[request_id] = num_tokens
         return new

@@ -148,7 +148,8 @@ class Scheduler:
             if not self.config.chunked and n < req.num_uncomputed_tokens:
                 break  # a whole prompt must fit the step: wait for a step with more budget
             blocks_before = self.swap.tables.get(req.request_id, [])
-            if self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n) is None:
+            expected = min(req.num_prompt_tokens + self._max_tokens(req), self.config.max_model_len)
+            if self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n, expected) is None:
                 break  # strict FCFS: nobody overtakes a request that does not fit
             self._remove_waiting(req)
             if req.swapped_out:
@@ -170,6 +171,10 @@ class Scheduler:
         if threshold > 0 and self.config.chunked:
             n = min(n, threshold)
         return min(n, self._budget)
+
+    def _max_tokens(self, req: Request) -> int:
+        max_tokens = req.sampling_params.max_tokens
+        return self.config.max_model_len if max_tokens is None else max_tokens
 
     def _try_schedule(self, req: Request, n: int, may_preempt: bool) -> bool:
         """Allocates KV for `n` more tokens of a running request and adds it to the step."""
