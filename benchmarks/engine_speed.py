@@ -140,7 +140,8 @@ class ModelCost:
     heads: int
     kv_heads: int
     head_dim: int
-    elem: int  # bytes per element of the compute dtype (weights and KV cache)
+    elem: int  # bytes per element of the linear layers' weights
+    kv_elem: int  # bytes per element of the KV cache (float32 whatever the linears use)
 
     @classmethod
     def of(cls, loaded: LoadedModel) -> ModelCost:
@@ -148,7 +149,8 @@ class ModelCost:
         linear = sum(t.numel() for L in m.layers for t in (L.qkv, L.o, L.gate_up, L.down))
         norms = m.norm.numel() + sum(L.input_norm.numel() + L.post_norm.numel() for L in m.layers)
         return cls(linear, m.lm_head.numel(), norms, len(m.layers), m.num_heads,
-                   m.num_kv_heads, m.head_dim, m.lm_head.element_size())
+                   m.num_kv_heads, m.head_dim, m.lm_head.element_size(),
+                   torch.empty((), dtype=m.kv_dtype).element_size())
 
     def attention_flops(self, context_sum: int) -> int:
         # Per query token and head: QK^T and PV are each 2*head_dim FLOPs per visible key,
@@ -176,7 +178,7 @@ class ModelCost:
 
     def kv_bytes(self, context_sum: int) -> int:
         # K and V of every layer for every context token read: ctx * L * 2 * kv_heads * d * elem.
-        return context_sum * self.layers * 2 * self.kv_heads * self.head_dim * self.elem
+        return context_sum * self.layers * 2 * self.kv_heads * self.head_dim * self.kv_elem
 
     def decode_bytes(self, context_sum: int) -> int:
         return self.weight_bytes + self.kv_bytes(context_sum)

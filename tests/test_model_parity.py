@@ -123,3 +123,15 @@ def test_llama3_rope_scaling_matches_transformers(tmp_path):
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0]
     assert (full_logits(ours, ids, chunk=100) - ref).abs().max().item() <= 1e-4
+
+
+def test_bfloat16_linears_track_float32(smollm2_path, smollm2_fp32, prompt64):
+    """The bfloat16 path (the default on AVX512_BF16 CPUs) stays close to float32."""
+    bf16 = load_model(smollm2_path, "bfloat16", max_model_len=512)
+    assert bf16.model.dtype == torch.bfloat16 and bf16.model.kv_dtype == torch.float32
+    ref = full_logits(smollm2_fp32.model, prompt64)
+    got = full_logits(bf16.model, prompt64, chunk=16)
+    cos = torch.nn.functional.cosine_similarity(got, ref, dim=-1)
+    assert cos.min().item() > 0.99
+    # The greedy choice agrees at nearly every position.
+    assert (got.argmax(-1) == ref.argmax(-1)).float().mean().item() >= 0.9

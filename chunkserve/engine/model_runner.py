@@ -10,7 +10,7 @@ from chunkserve.model.llama import LlamaModel
 
 
 def kv_bytes_per_block(model: LlamaModel, block_size: int) -> int:
-    elem = torch.empty((), dtype=model.dtype).element_size()
+    elem = torch.empty((), dtype=model.kv_dtype).element_size()
     per_token = 2 * len(model.layers) * model.num_kv_heads * model.head_dim * elem
     return per_token * block_size
 
@@ -28,10 +28,10 @@ class ModelRunner:
         self.block_size = block_size
         shape = (len(model.layers), 2, num_kv_blocks, block_size, model.num_kv_heads, model.head_dim)
         # torch.empty leaves pages untouched until written: a large pool costs nothing up front.
-        self.kv_cache = torch.empty(shape, dtype=model.dtype)
+        self.kv_cache = torch.empty(shape, dtype=model.kv_dtype)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(shape[0])]
         swap_shape = (shape[0], 2, num_swap_blocks) + shape[3:]
-        self.swap_cache = torch.empty(swap_shape, dtype=model.dtype) if num_swap_blocks else None
+        self.swap_cache = torch.empty(swap_shape, dtype=model.kv_dtype) if num_swap_blocks else None
         self.sampler = Sampler()
         self.eos_token_ids = list(eos_token_ids or [])
         self._generators: dict[str, torch.Generator] = {}
