@@ -47,7 +47,11 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
     stop_reason: int | str | None = None  # the stop token id or stop string that matched
+    # Per output token: [(sampled token, logprob), *top (token, logprob)]; None unless asked.
     logprobs: list[list[tuple[int, float]]] | None = None
+    # For streaming: text released since this request's previous output. It holds back a tail
+    # that could still become a stop string (which would then be cut from `text`).
+    delta_text: str = ""
 
     @property
     def finished(self) -> bool:

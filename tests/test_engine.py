@@ -215,3 +215,22 @@ def test_cli_bad_input_is_a_message_not_a_traceback(tiny_model_dir):
     assert "max_tokens must be at least 1" in r.stderr and "Traceback" not in r.stderr
     r = _cli("generate", "--model", "/no/such/model", "--prompt", "Hi")
     assert r.returncode == 2 and "not found" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_logprobs_and_streaming_deltas(tiny):
+    engine = make_llm(tiny).engine
+    full = make_llm(tiny).generate([PROMPT], greedy(8))[0].outputs[0]
+    stop = full.text[-4:-1]
+    engine.add_request("s", PROMPT, greedy(8, logprobs=2, stop=[stop]))
+    deltas, last = [], None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            deltas.append(out.outputs[0].delta_text)
+            last = out
+    c = last.outputs[0]
+    # The deltas never included text that the stop string later cut away.
+    assert "".join(deltas) == c.text == full.text[: full.text.index(stop)]
+    assert len(c.logprobs) == len(c.token_ids)
+    for token, entries in zip(c.token_ids, c.logprobs):
+        assert entries[0][0] == token and len(entries) == 3
+        assert entries[0][1] == pytest.approx(max(lp for _, lp in entries[1:]))  # greedy = top-1

@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from chunkserve.config import DEFAULT_KV_CACHE_GIB, EngineConfig
 from chunkserve.core.request import Request, RequestStatus
+from chunkserve.core.sched_output import ScheduledRequest
 from chunkserve.core.scheduler import Scheduler
 from chunkserve.engine.detokenizer import IncrementalDetokenizer
 from chunkserve.engine.model_runner import ModelRunner, kv_bytes_per_block
@@ -25,6 +26,7 @@ class _RequestState:
     prompt: str | None
     detokenizer: IncrementalDetokenizer
     metrics: RequestMetrics
+    logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 
 
 class LLMEngine:
@@ -74,6 +76,7 @@ class LLMEngine:
         self._states: dict[str, _RequestState] = {}
         self._step_count = 0
         self._next_id = 0
+        self.last_scheduled: list[ScheduledRequest] = []
 
     @classmethod
     def from_kwargs(cls, loaded: LoadedModel | None = None, **kwargs: Any) -> LLMEngine:
@@ -96,9 +99,7 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        max_tokens = self._validate(token_ids, params)
-        if max_tokens != params.max_tokens:
-            params = _with_max_tokens(params, max_tokens)
+        params = self.prepare_params(token_ids, params)
         arrival = self.clock() if arrival_time is None else arrival_time
         req = Request(request_id, token_ids, params, arrival, self.eos_token_ids, priority)
         detok = IncrementalDetokenizer(self.tokenizer, token_ids, params)
@@ -106,7 +107,16 @@ class LLMEngine:
         self.scheduler.add_request(req)
         return request_id
 
-    def _validate(self, token_ids: list[int], params: SamplingParams) -> int:
+    def prepare_params(self, token_ids: list[int], params: SamplingParams) -> SamplingParams:
+        """Checks a request against the model; returns params with max_tokens filled in.
+
+        Reads only immutable engine attributes, so the server calls it from its own thread
+        to answer 400 before the request ever reaches the engine loop.
+        """
+        max_tokens = self._max_tokens(token_ids, params)
+        return params if max_tokens == params.max_tokens else replace(params, max_tokens=max_tokens)
+
+    def _max_tokens(self, token_ids: list[int], params: SamplingParams) -> int:
         n, limit = len(token_ids), self.max_model_len
         if n == 0:
             raise ValueError("The prompt cannot be empty.")
@@ -144,14 +154,15 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         start = self.clock()
         out = self.scheduler.schedule()
+        self.last_scheduled = out.scheduled  # lets a caller contain a failed step
         for sr in out.scheduled:
             m = self._states[sr.request.request_id].metrics
             if m.first_scheduled_time is None:
                 m.first_scheduled_time = start
-        sampled = self.runner.execute(out)
+        result = self.runner.execute(out)
         now = self.clock()
-        updated = self.scheduler.update_from_output(out, sampled)
-        outputs = [self._process(req, now) for req in updated]
+        updated = self.scheduler.update_from_output(out, result.sampled)
+        outputs = [self._process(req, now, result.logprobs.get(req.request_id)) for req in updated]
 
         stats = out.kv_stats
         assert stats is not None
@@ -176,8 +187,12 @@ class LLMEngine:
         self._step_count += 1
         return outputs
 
-    def _process(self, req: Request, now: float) -> RequestOutput:
+    def _process(
+        self, req: Request, now: float, logprobs: list[tuple[int, float]] | None
+    ) -> RequestOutput:
         state = self._states[req.request_id]
+        if logprobs is not None:
+            state.logprobs.append(logprobs)
         m = state.metrics
         if m.first_token_time is None:
             m.first_token_time = now
@@ -201,6 +216,8 @@ class LLMEngine:
             token_ids=list(req.output_token_ids),
             finish_reason=req.status.finish_reason,
             stop_reason=req.stop_reason,
+            logprobs=list(state.logprobs) if req.sampling_params.logprobs is not None else None,
+            delta_text=state.detokenizer.get_next_delta(finished),
         )
         return RequestOutput(
             req.request_id, state.prompt, req.prompt_token_ids, [completion], finished, m
@@ -209,6 +226,3 @@ class LLMEngine:
     def close(self) -> None:
         self.trace.close()
 
-
-def _with_max_tokens(params: SamplingParams, max_tokens: int) -> SamplingParams:
-    return replace(params, max_tokens=max_tokens)

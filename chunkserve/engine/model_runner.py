@@ -1,6 +1,8 @@
 """Scheduler output → tensors → tokens. Owns the model, the paged KV tensors and the swap pool."""
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from chunkserve.core.sched_output import SchedulerOutput
@@ -13,6 +15,13 @@ def kv_bytes_per_block(model: LlamaModel, block_size: int) -> int:
     elem = torch.empty((), dtype=model.kv_dtype).element_size()
     per_token = 2 * len(model.layers) * model.num_kv_heads * model.head_dim * elem
     return per_token * block_size
+
+
+@dataclass
+class RunnerOutput:
+    sampled: dict[str, int] = field(default_factory=dict)  # request id -> new token
+    # request id -> [(sampled token, logprob), *top-k (token, logprob)], only when asked for
+    logprobs: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -37,13 +46,13 @@ class ModelRunner:
         self._generators: dict[str, torch.Generator] = {}
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> dict[str, int]:
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
         """Runs one step; returns the sampled token of every request that caught up."""
         for rid in out.finished_req_ids:
             self._generators.pop(rid, None)
         self._swap(out)
         if not out.scheduled:
-            return {}
+            return RunnerOutput()
 
         token_ids: list[int] = []
         positions: list[int] = []
@@ -74,11 +83,15 @@ class ModelRunner:
         )
         samplers = [sr for sr in out.scheduled if sr.samples]
         if not samplers:
-            return {}
+            return RunnerOutput()
         logits = self.model.compute_logits(hidden[sample_rows])
         rows = [self._row(sr.request) for sr in samplers]
         result = self.sampler(logits, rows)
-        return {sr.request.request_id: t for sr, t in zip(samplers, result.token_ids)}
+        ids = [sr.request.request_id for sr in samplers]
+        logprobs = {}
+        if result.logprobs is not None:
+            logprobs = {rid: lp for rid, lp in zip(ids, result.logprobs) if lp}
+        return RunnerOutput(dict(zip(ids, result.token_ids)), logprobs)
 
     def _row(self, req) -> SamplingRow:  # type: ignore[no-untyped-def]
         params = req.sampling_params
