@@ -1,11 +1,11 @@
-# Quick start: `make test` (and, with the server issue, `make serve`).
+# Quick start: `make serve` (OpenAI-compatible server on 127.0.0.1:8000) and `make test`.
 # Both create .venv on first use; the stamp file re-runs the install when pyproject.toml changes.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test generate clean
+.PHONY: install test serve generate clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,6 +21,9 @@ install: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+serve: $(STAMP)
+	$(VENV)/bin/chunkserve serve smollm2-135m --host 127.0.0.1 --port 8000
 
 generate: $(STAMP)
 	$(VENV)/bin/chunkserve generate --model smollm2-135m --chat --prompt "What is chunked prefill?" --max-tokens 64

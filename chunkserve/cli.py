@@ -1,4 +1,4 @@
-"""`chunkserve` command line: `chunkserve generate ...` (more subcommands join as they land)."""
+"""`chunkserve` command line: `chunkserve generate ...`, `chunkserve serve [MODEL] ...`."""
 from __future__ import annotations
 
 import argparse
@@ -52,6 +52,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true")
     gen.set_defaults(func=_generate)
+
+    from chunkserve.serve.launcher import add_server_args, run_server
+
+    srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (vLLM's flags)")
+    add_server_args(srv)
+    srv.set_defaults(func=run_server)
     return parser
 
 

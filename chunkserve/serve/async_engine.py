@@ -1,0 +1,224 @@
+"""The engine loop in its own thread, fed by a thread-safe queue from the HTTP event loop.
+
+The HTTP side never touches the engine's state: it sends `add`/`abort` commands and receives
+each request's `RequestOutput`s on an asyncio queue of its own. The engine thread drains the
+commands, runs one `step()`, hands the outputs back with `call_soon_threadsafe`, and sleeps on
+the command queue when there is nothing to run, so an idle server burns no CPU.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from chunkserve.engine.llm_engine import LLMEngine
+from chunkserve.outputs import RequestOutput
+from chunkserve.sampling_params import SamplingParams
+from chunkserve.serve.metrics import ServerMetrics
+
+log = logging.getLogger("chunkserve.engine")
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+class RequestFailedError(RuntimeError):
+    """The engine failed while running this request; the engine itself carries on."""
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int
+    sink: asyncio.Queue[RequestOutput | BaseException]
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+_STOP = object()
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, metrics: ServerMetrics | None = None) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self._commands: queue.Queue[object] = queue.Queue()
+        self._sinks: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._num_tokens: dict[str, int] = {}  # output tokens already reported, per request
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        # Adds sent but not yet applied count as waiting. Two counters, each written by one
+        # thread only, so no lock is needed.
+        self._num_sent = 0
+        self._num_applied = 0
+        self.num_waiting = 0  # engine's waiting queue, as of its last step
+        self.error: BaseException | None = None
+
+    # ---- lifecycle --------------------------------------------------------------------------
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="chunkserve-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Aborts whatever is still in flight and stops the engine thread."""
+        if self._thread is None:
+            return
+        self._commands.put(_STOP)
+        self._thread.join(timeout)
+        self._thread = None
+        self.engine.close()
+
+    @property
+    def is_healthy(self) -> bool:
+        return self.error is None and self._thread is not None and self._thread.is_alive()
+
+    @property
+    def num_queued(self) -> int:
+        """Requests not yet running: what --max-waiting-requests limits."""
+        return self.num_waiting + self._num_sent - self._num_applied
+
+    # ---- the HTTP side ----------------------------------------------------------------------
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yields the request's outputs until it finishes; aborts it if the caller goes away.
+
+        `params` must already be validated (LLMEngine.prepare_params): the engine thread can
+        then only refuse a duplicate id.
+        """
+        if not self.is_healthy:
+            raise EngineDeadError("the engine is not running")
+        sink: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._sinks[request_id] = sink
+        self._num_sent += 1
+        self._commands.put(_Add(request_id, prompt_token_ids, params, priority, sink))
+        finished = False
+        try:
+            while not finished:
+                item = await sink.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self._sinks.pop(request_id, None)
+            if not finished:  # cancelled, disconnected or the consumer stopped early
+                self._commands.put(_Abort(request_id))
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(_Abort(request_id))
+
+    # ---- the engine thread ------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                idle = not self.engine.has_unfinished_requests()
+                if not self._drain_commands(block=idle):
+                    break
+                if self.engine.has_unfinished_requests():
+                    self._step()
+                self._publish_state()
+        except BaseException as e:  # a bug in the loop itself: fail everyone, report unhealthy
+            log.exception("engine loop died")
+            self.error = e
+            for rid in list(self._sinks):
+                self._deliver(rid, EngineDeadError(f"the engine loop died: {e!r}"))
+        finally:
+            self._abort_all()
+
+    def _drain_commands(self, block: bool) -> bool:
+        """Applies all queued commands; returns False when asked to stop."""
+        try:
+            cmd = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return True
+        while True:
+            if cmd is _STOP:
+                return False
+            self._apply(cmd)
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _apply(self, cmd: object) -> None:
+        if isinstance(cmd, _Add):
+            self._num_applied += 1
+            if cmd.request_id not in self._sinks:  # aborted before it reached the engine
+                return
+            try:
+                self.engine.add_request(
+                    cmd.request_id, cmd.prompt_token_ids, cmd.params, priority=cmd.priority
+                )
+                self._num_tokens[cmd.request_id] = 0
+            except ValueError as e:
+                self._deliver(cmd.request_id, e)
+        elif isinstance(cmd, _Abort):
+            if cmd.request_id in self._num_tokens:
+                self.engine.abort_request(cmd.request_id)
+                self._num_tokens.pop(cmd.request_id, None)
+                if self.metrics is not None:
+                    self.metrics.observe_aborted()
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:
+            # Contain a failure to the requests of the failed step: fail and drop them, keep
+            # serving the rest. (The scheduler already counted their tokens as computed.)
+            log.exception("engine step failed")
+            failed = [s.request.request_id for s in self.engine.last_scheduled]
+            self.engine.abort_request(failed)
+            for rid in failed:
+                self._num_tokens.pop(rid, None)
+                self._deliver(rid, RequestFailedError(f"internal error while generating: {e!r}"))
+            return
+        if self.metrics is not None and self.engine.trace.records:
+            self.metrics.observe_step(self.engine.trace.records[-1])
+        for out in outputs:
+            n = len(out.outputs[0].token_ids)
+            new = n - self._num_tokens.get(out.request_id, 0)
+            self._num_tokens[out.request_id] = n
+            if out.finished:
+                self._num_tokens.pop(out.request_id, None)
+            if self.metrics is not None:
+                self.metrics.observe_output(out, new)
+            self._deliver(out.request_id, out)
+
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        sink = self._sinks.get(request_id)
+        if sink is not None and self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(sink.put_nowait, item)
+
+    def _publish_state(self) -> None:
+        sched = self.engine.scheduler
+        self.num_waiting = len(sched.waiting)
+        if self.metrics is not None:
+            stats = sched.kv.stats()
+            self.metrics.set_state(
+                len(sched.running), len(sched.waiting), stats.usage, stats.internal_fragmentation
+            )
+
+    def _abort_all(self) -> None:
+        ids = list(self._num_tokens)
+        if ids:
+            self.engine.abort_request(ids)
+        for rid in ids:
+            self._deliver(rid, EngineDeadError("the server is shutting down"))
+        self._num_tokens.clear()
+        self._publish_state()

@@ -1,0 +1,223 @@
+"""Prometheus metrics with vLLM's names, labels and buckets, so existing vLLM dashboards and
+benchmark scrapers work against chunkserve unchanged (docs/conventions.md, "vLLM Prometheus
+metrics"). A few `chunkserve:` metrics add what vLLM does not expose.
+
+Every method except `render` is called from the engine thread once per step or per output, so
+label children are bound once in `__init__` and the hot path does only lock-protected adds.
+`render` may run on the HTTP thread; prometheus_client's values are thread-safe.
+"""
+from __future__ import annotations
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+from chunkserve.engine.trace import StepRecord
+from chunkserve.outputs import RequestOutput
+
+# vLLM's exact buckets: dashboards compute quantiles from `le` values, so they must match.
+TTFT_BUCKETS: list[float] = [
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+]
+ITL_BUCKETS: list[float] = [
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+]
+REQUEST_LATENCY_BUCKETS: list[float] = [
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+    120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
+]
+ITERATION_TOKENS_BUCKETS: list[float] = [
+    1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384,
+]
+# Ours: a step ranges from ~1 ms (tiny decode batch) to tens of seconds (huge prefill on CPU).
+STEP_DURATION_BUCKETS: list[float] = [
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0,
+    2.5, 5.0, 10.0, 30.0, 60.0,
+]
+
+FINISHED_REASONS: tuple[str, ...] = ("stop", "length", "abort")
+
+
+def build_1_2_5_buckets(max_value: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to and including max_value (vLLM's `build_1_2_5_buckets`)."""
+    buckets: list[int] = []
+    exponent = 0
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * 10**exponent
+            if value > max_value:
+                return buckets
+            buckets.append(value)
+        exponent += 1
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str, max_model_len: int) -> None:
+        self.model_name = model_name
+        # A private registry: several servers (or tests) in one process would otherwise collide
+        # on the global default registry's duplicate-name check.
+        self.registry = CollectorRegistry()
+        reg = self.registry
+        labels = ["model_name"]
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, labels, registry=reg)
+
+        def counter(name: str, doc: str) -> Counter:
+            # prometheus_client appends "_total" to counter samples; passing the bare name gives
+            # exactly vLLM's exposed `..._total` names.
+            return Counter(name, doc, labels, registry=reg)
+
+        def histogram(name: str, doc: str, buckets: list[float] | list[int]) -> Histogram:
+            return Histogram(name, doc, labels, buckets=buckets, registry=reg)
+
+        # Bind the label child once: `.labels()` costs a dict lookup under a lock per call.
+        m = model_name
+        self._running = gauge("vllm:num_requests_running", "Requests in the running batch.").labels(m)
+        self._waiting = gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.").labels(m)
+        self._kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage, 0 to 1.").labels(m)
+        self._fragmentation = gauge(
+            "chunkserve:kv_cache_internal_fragmentation_tokens",
+            "Allocated KV slots not holding a token (partly filled last blocks).",
+        ).labels(m)
+
+        self._preemptions = counter("vllm:num_preemptions", "Cumulative preemptions.").labels(m)
+        self._prompt_tokens = counter("vllm:prompt_tokens", "Prefilled prompt tokens.").labels(m)
+        self._generation_tokens = counter("vllm:generation_tokens", "Generated tokens.").labels(m)
+        self._success_family = Counter(
+            "vllm:request_success", "Finished requests by finish reason.",
+            ["model_name", "finished_reason"], registry=reg,
+        )
+        # Pre-create all three so each series exists (at 0) before the first request ends, as
+        # vLLM does; dashboards' rate() needs the series to exist.
+        self._success: dict[str, Counter] = {
+            r: self._success_family.labels(m, r) for r in FINISHED_REASONS
+        }
+
+        self._ttft = histogram(
+            "vllm:time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS).labels(m)
+        self._itl = histogram(
+            "vllm:inter_token_latency_seconds", "Gap between consecutive output tokens.",
+            ITL_BUCKETS).labels(m)
+        self._tpot = histogram(
+            "vllm:request_time_per_output_token_seconds",
+            "Per request: mean time per output token after the first.", ITL_BUCKETS).labels(m)
+        self._e2e = histogram(
+            "vllm:e2e_request_latency_seconds", "Arrival to finish.",
+            REQUEST_LATENCY_BUCKETS).labels(m)
+        self._queue = histogram(
+            "vllm:request_queue_time_seconds", "Arrival to first scheduled.",
+            REQUEST_LATENCY_BUCKETS).labels(m)
+        self._prefill = histogram(
+            "vllm:request_prefill_time_seconds", "First scheduled to first token.",
+            REQUEST_LATENCY_BUCKETS).labels(m)
+        self._decode = histogram(
+            "vllm:request_decode_time_seconds", "First token to finish.",
+            REQUEST_LATENCY_BUCKETS).labels(m)
+        # A histogram whose name ends in "_total" is exposed verbatim (only counters get the
+        # suffix treatment), giving vLLM's `vllm:iteration_tokens_total_bucket` etc.
+        self._iteration_tokens = histogram(
+            "vllm:iteration_tokens_total", "Tokens (prefill + decode) per engine step.",
+            ITERATION_TOKENS_BUCKETS).labels(m)
+        len_buckets = build_1_2_5_buckets(max_model_len)
+        self._request_prompt_tokens = histogram(
+            "vllm:request_prompt_tokens", "Prompt length per request.", len_buckets).labels(m)
+        self._request_generation_tokens = histogram(
+            "vllm:request_generation_tokens", "Output tokens per finished request.",
+            len_buckets).labels(m)
+
+        self._step_duration = histogram(
+            "chunkserve:step_duration_seconds", "Wall time of one engine step.",
+            STEP_DURATION_BUCKETS).labels(m)
+        # Observed every step, zeros included, so count == steps and the le="1" bucket shows how
+        # often a step had no prefill (or no decode) work.
+        self._step_prefill_tokens = histogram(
+            "chunkserve:step_prefill_tokens", "Prefill tokens per engine step.",
+            ITERATION_TOKENS_BUCKETS).labels(m)
+        self._step_decode_tokens = histogram(
+            "chunkserve:step_decode_tokens", "Decode tokens per engine step.",
+            ITERATION_TOKENS_BUCKETS).labels(m)
+
+    def set_state(self, num_running: int, num_waiting: int, kv_usage: float,
+                  fragmentation_tokens: int) -> None:
+        self._running.set(num_running)
+        self._waiting.set(num_waiting)
+        self._kv_usage.set(kv_usage)
+        self._fragmentation.set(fragmentation_tokens)
+
+    def observe_step(self, record: StepRecord) -> None:
+        # vLLM does not observe idle iterations; an empty step would only pile up in le="1".
+        if record.num_tokens > 0:
+            self._iteration_tokens.observe(record.num_tokens)
+        self._step_duration.observe(record.duration)
+        self._step_prefill_tokens.observe(record.num_prefill_tokens)
+        self._step_decode_tokens.observe(record.num_decode_tokens)
+        if record.num_preemptions:
+            self._preemptions.inc(record.num_preemptions)
+
+    def observe_output(self, out: RequestOutput, num_new_tokens: int) -> None:
+        """Account one emitted RequestOutput; `num_new_tokens` were added since its last one.
+
+        A finished output with finish_reason "abort" is counted here; call `observe_aborted`
+        only for aborts that emit no final RequestOutput, or the abort is counted twice.
+        """
+        m = out.metrics
+        times = m.token_times
+        n = len(times)
+        if num_new_tokens > 0:
+            self._generation_tokens.inc(num_new_tokens)
+            # One ITL per gap ending at a new token; the first token has no predecessor (its
+            # latency is TTFT), hence the max(1, ...).
+            for i in range(max(1, n - num_new_tokens), n):
+                self._itl.observe(times[i] - times[i - 1])
+            if n == num_new_tokens:  # this output carries the request's first token(s)
+                if m.ttft is not None:
+                    self._ttft.observe(m.ttft)
+                num_prompt = len(out.prompt_token_ids)
+                self._prompt_tokens.inc(num_prompt)
+                self._request_prompt_tokens.observe(num_prompt)
+
+        if not out.finished:
+            return
+        if m.e2e_latency is not None:
+            self._e2e.observe(m.e2e_latency)
+        if m.queue_time is not None:
+            self._queue.observe(m.queue_time)
+        if m.first_token_time is not None and m.first_scheduled_time is not None:
+            self._prefill.observe(m.first_token_time - m.first_scheduled_time)
+        if m.finished_time is not None and m.first_token_time is not None:
+            self._decode.observe(m.finished_time - m.first_token_time)
+        tpot = m.tpot  # None unless > 1 output token: TPOT is undefined for a single token
+        if tpot is not None:
+            self._tpot.observe(tpot)
+        self._request_generation_tokens.observe(n)
+        reason = (out.outputs[0].finish_reason if out.outputs else None) or "stop"
+        self._success_counter(reason).inc()
+
+    def observe_aborted(self, num_prompt_tokens: int | None = None) -> None:
+        """An abort that emitted no final RequestOutput (e.g. the client went away).
+
+        vLLM counts aborts under request_success_total{finished_reason="abort"}. Pass
+        `num_prompt_tokens` when the request never got a first token, so request_prompt_tokens
+        still sees every request's prompt (those with a first token were observed already).
+        """
+        self._success["abort"].inc()
+        if num_prompt_tokens is not None:
+            self._request_prompt_tokens.observe(num_prompt_tokens)
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+    def _success_counter(self, reason: str) -> Counter:
+        # Unknown reasons get their own series rather than being dropped or mislabelled.
+        child = self._success.get(reason)
+        if child is None:
+            child = self._success[reason] = self._success_family.labels(self.model_name, reason)
+        return child

@@ -1,0 +1,183 @@
+"""POST /v1/completions and /v1/chat/completions, streaming (SSE) and not."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from chunkserve.outputs import RequestOutput
+from chunkserve.serve import protocol as P
+from chunkserve.serve.serving import ApiError, PreparedPrompt, Serving
+
+log = logging.getLogger("chunkserve.server")
+
+
+def sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+class _Choices:
+    """Per-choice bookkeeping while a request streams: what was already sent."""
+
+    def __init__(self) -> None:
+        self.tokens: dict[int, int] = {}  # choice index -> output tokens already reported
+        self.finals: dict[int, RequestOutput] = {}
+
+    def new_logprobs(self, index: int, out: RequestOutput) -> list[Any] | None:
+        c = out.outputs[0]
+        start = self.tokens.get(index, 0)
+        self.tokens[index] = len(c.token_ids)
+        return None if c.logprobs is None else c.logprobs[start:]
+
+    def completion_tokens(self) -> int:
+        return sum(len(o.outputs[0].token_ids) for o in self.finals.values())
+
+
+def register_openai_routes(app: FastAPI, serving: Serving) -> None:
+    from chunkserve.serve.api_server import until_disconnect
+
+    def render_token(token_id: int) -> str | None:
+        return serving.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def warn_unknown(req: P.CompletionRequest | P.ChatCompletionRequest) -> None:
+        unknown = req.unknown_fields()
+        if unknown:
+            log.warning("ignoring unknown request fields: %s", ", ".join(unknown))
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(req: P.CompletionRequest, raw: Request) -> Response:
+        serving.check_model(req.model)
+        warn_unknown(req)
+        prompts = await serving.prepare(req.prompts(), req.to_sampling_params)
+        serving.check_capacity(len(prompts) * req.n)
+        rid, created = P.completion_id(), int(time.time())
+        stream = serving.generate(rid, prompts, req.n, req.priority)
+        if req.stream:
+            return _sse(_completion_events(req, rid, created, prompts, stream, serving, render_token))
+        result = await until_disconnect(raw, _collect(stream))
+        if result is None:
+            return Response(status_code=499)  # the client is gone; nobody reads this
+        choices = [
+            P.completion_choice(
+                i, out.outputs[0].text, out.outputs[0].finish_reason,
+                _completion_logprobs(out.outputs[0].logprobs, render_token),
+            )
+            for i, out in sorted(result.items())
+        ]
+        usage = P.usage(_prompt_tokens(prompts), sum(len(o.outputs[0].token_ids) for o in result.values()))
+        return JSONResponse(P.completion_response(rid, serving.model_name, choices, usage, created))
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat(req: P.ChatCompletionRequest, raw: Request) -> Response:
+        serving.check_model(req.model)
+        warn_unknown(req)
+        try:
+            text = await asyncio.to_thread(
+                serving.tokenizer.apply_chat_template, req.message_dicts(), req.add_generation_prompt
+            )
+        except ValueError as e:  # no template, or the template raised for these messages
+            raise ApiError(400, str(e), param="messages") from e
+        ids = await serving.tokenize(text, add_special_tokens=False)
+        prompts = await serving.prepare([ids], req.to_sampling_params)
+        prompts[0].prompt = text
+        serving.check_capacity(req.n)
+        rid, created = P.chat_completion_id(), int(time.time())
+        stream = serving.generate(rid, prompts, req.n, req.priority)
+        if req.stream:
+            return _sse(_chat_events(req, rid, created, prompts, stream, serving, render_token))
+        result = await until_disconnect(raw, _collect(stream))
+        if result is None:
+            return Response(status_code=499)
+        choices = [
+            P.chat_choice(
+                i, out.outputs[0].text, out.outputs[0].finish_reason,
+                None if out.outputs[0].logprobs is None
+                else P.chat_logprobs(out.outputs[0].logprobs, render_token),
+            )
+            for i, out in sorted(result.items())
+        ]
+        usage = P.usage(_prompt_tokens(prompts), sum(len(o.outputs[0].token_ids) for o in result.values()))
+        return JSONResponse(P.chat_response(rid, serving.model_name, choices, usage, created))
+
+
+async def _collect(stream: AsyncIterator[tuple[int, RequestOutput]]) -> dict[int, RequestOutput]:
+    finals: dict[int, RequestOutput] = {}
+    async for index, out in stream:
+        if out.finished:
+            finals[index] = out
+    return finals
+
+
+def _prompt_tokens(prompts: list[PreparedPrompt]) -> int:
+    return sum(len(p.token_ids) for p in prompts)
+
+
+def _completion_logprobs(logprobs: list[Any] | None, render: Any) -> dict[str, Any] | None:
+    return None if logprobs is None else P.completion_logprobs(logprobs, render)
+
+
+def _sse(events: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(events, media_type="text/event-stream")
+
+
+async def _guarded(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """Once streaming has begun an error can only travel as an event, then [DONE]."""
+    try:
+        async for event in events:
+            yield event
+    except ApiError as e:
+        yield sse(P.error_body(e.message, e.err_type, e.status, e.param))
+    yield "data: [DONE]\n\n"
+
+
+def _completion_events(req, rid, created, prompts, stream, serving, render):  # type: ignore[no-untyped-def]
+    async def events() -> AsyncIterator[str]:
+        seen = _Choices()
+        model = serving.model_name
+        async for index, out in stream:
+            c = out.outputs[0]
+            logprobs = seen.new_logprobs(index, out)
+            if out.finished:
+                seen.finals[index] = out
+            if not c.delta_text and not out.finished:
+                continue  # nothing visible yet (partial character, held-back stop prefix)
+            yield sse(P.completion_chunk(
+                rid, model, index, c.delta_text, c.finish_reason,
+                _completion_logprobs(logprobs, render), created,
+            ))
+        if req.include_usage:
+            usage = P.usage(_prompt_tokens(prompts), seen.completion_tokens())
+            yield sse(P.usage_chunk(rid, model, "text_completion", usage, created))
+
+    return _guarded(events())
+
+
+def _chat_events(req, rid, created, prompts, stream, serving, render):  # type: ignore[no-untyped-def]
+    async def events() -> AsyncIterator[str]:
+        seen = _Choices()
+        model = serving.model_name
+        for index in range(len(prompts) * req.n):  # the role comes first, as OpenAI sends it
+            yield sse(P.chat_chunk(rid, model, index, P.chat_delta("", first=True), None,
+                                   None, created))
+        async for index, out in stream:
+            c = out.outputs[0]
+            logprobs = seen.new_logprobs(index, out)
+            if out.finished:
+                seen.finals[index] = out
+            if not c.delta_text and not out.finished:
+                continue
+            yield sse(P.chat_chunk(
+                rid, model, index, P.chat_delta(c.delta_text), c.finish_reason,
+                None if logprobs is None else P.chat_logprobs(logprobs, render), created,
+            ))
+        if req.include_usage:
+            usage = P.usage(_prompt_tokens(prompts), seen.completion_tokens())
+            yield sse(P.usage_chunk(rid, model, "chat.completion.chunk", usage, created))
+
+    return _guarded(events())

@@ -1,0 +1,428 @@
+"""OpenAI/vLLM-compatible request models, error bodies and response shapes.
+
+Requests are pydantic models that accept unknown fields (vLLM logs a warning rather than
+rejecting them, and clients such as the `openai` package send extras). Responses are plain dicts
+built by small helpers, so the server can stream them with `json.dumps` and tests can compare
+their keys to OpenAI's exactly.
+
+Sampling values (temperature, top_p, ...) are deliberately not range-checked here:
+`SamplingParams` owns those rules, and `to_sampling_params` lets its ValueError through for the
+server to turn into a 400.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+from chunkserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # only for the annotation: protocol.py must not need fastapi to import
+    import pydantic
+    from fastapi.exceptions import RequestValidationError
+
+# vLLM's default --max-logprobs; larger requests are rejected up front.
+MAX_LOGPROBS = 20
+
+Prompt = str | list[int]
+# Engine logprobs for one generated position: [(sampled id, logprob), *top-k (id, logprob)].
+TokenLogprobs = Sequence[tuple[int, float | None]]
+# Renders one token id as text (e.g. `lambda t: tokenizer.decode([t])`).
+TokenRenderer = Callable[[int], str | None]
+
+
+def _error(message: str, param: str | None = None) -> PydanticCustomError:
+    # A custom error (not ValueError) keeps pydantic's "Value error, " prefix off the message,
+    # and ctx carries the param name for model-level checks, whose loc is empty.
+    return PydanticCustomError("value_error", message, {"param": param} if param else None)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    def unknown_fields(self) -> list[str]:
+        """Fields the client sent that we do not know: the server logs them, as vLLM does."""
+        return sorted(self.model_extra or {})
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")  # e.g. vLLM's continuous_usage_stats
+    include_usage: bool = False
+
+
+class TextContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")  # tool_calls etc. are tolerated, not used
+    role: str
+    content: str | list[TextContentPart] | None = None
+    name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_only(cls, v: Any) -> Any:
+        # Checked before the union so a bad part yields one clear error, not one per union arm.
+        if v is None or isinstance(v, str):
+            return v
+        if not isinstance(v, list):
+            raise _error("must be a string or a list of content parts")
+        for part in v:
+            if not isinstance(part, dict) or part.get("type") != "text":
+                raise _error("only text content is supported")
+            if not isinstance(part.get("text"), str):
+                raise _error("text content parts need a string `text`")
+        return v
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(p.text for p in self.content)  # vLLM's "string" content format
+
+    def as_dict(self) -> dict[str, str]:
+        d = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            d["name"] = self.name
+        return d
+
+
+class _SamplingRequest(_Request):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    n: int = Field(default=1, ge=1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    priority: int = 0  # lower runs first under --scheduling-policy priority
+    user: str | None = None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_shape(cls, v: Any) -> Any:
+        if v is None or isinstance(v, str):
+            return v
+        if isinstance(v, list) and all(isinstance(s, str) for s in v):
+            return v
+        raise _error("must be a string or a list of strings")
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> _SamplingRequest:
+        if self.stream_options is not None and not self.stream:
+            raise _error("Stream options can only be defined when `stream=True`.", "stream_options")
+        return self
+
+    @property
+    def include_usage(self) -> bool:
+        """Whether a stream ends with a usage-only chunk."""
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=0 if self.top_k in (None, -1) else self.top_k,  # type: ignore[arg-type]
+            min_p=0.0 if self.min_p is None else self.min_p,
+            seed=self.seed,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens,
+            logprobs=logprobs,
+        )
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, v: Any) -> Any:
+        # One readable error instead of pydantic's four (one per union arm).
+        if isinstance(v, str):
+            return v
+        if isinstance(v, list):
+            if not v:
+                raise _error("must not be empty")
+            if all(isinstance(p, str) for p in v) or all(_is_int(t) for t in v):
+                return v
+            if all(isinstance(p, list) and all(_is_int(t) for t in p) for p in v):
+                if any(not p for p in v):
+                    raise _error("token lists must not be empty")
+                return v
+        raise _error("must be a string, a list of strings, a list of token ids "
+                     "or a list of lists of token ids")
+
+    def prompts(self) -> list[Prompt]:
+        """The prompt field as a list of single prompts (each a string or token ids)."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if all(_is_int(t) for t in p):  # one tokenised prompt
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
+
+    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        max_tokens = default_max_tokens if self.max_tokens is None else self.max_tokens
+        return self._sampling_params(max_tokens, self.logprobs)
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    max_tokens: int | None = None  # deprecated by OpenAI; max_completion_tokens wins
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise _error("when using `top_logprobs`, `logprobs` must be set to true.",
+                         "top_logprobs")
+        return self
+
+    def message_dicts(self) -> list[dict[str, str]]:
+        """Messages with string content, ready for a jinja chat template."""
+        return [m.as_dict() for m in self.messages]
+
+    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        """`default_max_tokens` is what is left of the context (max_model_len - prompt)."""
+        max_tokens = self.max_completion_tokens
+        if max_tokens is None:
+            max_tokens = self.max_tokens
+        if max_tokens is None:
+            max_tokens = default_max_tokens
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self._sampling_params(max_tokens, logprobs)
+
+
+class TokenizeRequest(_Request):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _exactly_one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise _error("Exactly one of `prompt` or `messages` must be given.")
+        return self
+
+    def message_dicts(self) -> list[dict[str, str]]:
+        return [m.as_dict() for m in self.messages or []]
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[int]
+
+
+# --- errors -----------------------------------------------------------------------------------
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+def error_body(message: str, err_type: str = "BadRequestError", code: int = 400,
+               param: str | None = None) -> dict[str, Any]:
+    """vLLM's error JSON: `{"error": {"message", "type", "param", "code"}}`."""
+    info = ErrorInfo(message=message, type=err_type, param=param, code=code)
+    return ErrorResponse(error=info).model_dump()
+
+
+_LOC_SOURCES = {"body", "query", "path", "header", "cookie"}
+
+
+def validation_error_message(
+    exc: pydantic.ValidationError | RequestValidationError,
+) -> tuple[str, str | None]:
+    """One readable message for all errors, and the first offending top-level param.
+
+    E.g. ("temperature: Input should be a valid number, ...", "temperature").
+    """
+    parts: list[str] = []
+    param: str | None = None
+    for err in exc.errors():
+        loc = list(err.get("loc", ()))
+        # FastAPI prefixes where the value came from; the client thinks in field names.
+        # A missing body keeps its "body" label: there is no field to name instead.
+        if loc and loc[0] in _LOC_SOURCES and not (len(loc) == 1 and err.get("type") == "missing"):
+            loc = loc[1:]
+        msg = str(err.get("msg", "invalid value"))
+        ctx = err.get("ctx") or {}
+        if err.get("type") == "json_invalid" and ctx.get("error"):
+            msg = f"{msg}: {ctx['error']}"
+        field = loc[0] if loc and isinstance(loc[0], str) else ctx.get("param")
+        if param is None and isinstance(field, str):
+            param = field
+        # Integer-only locs are JSON byte positions, not fields; leave them out of the label.
+        label = ".".join(str(x) for x in loc) if loc and isinstance(loc[0], str) else ""
+        text = f"{label}: {msg}" if label else msg
+        if text not in parts:
+            parts.append(text)
+    return "; ".join(parts) or "Invalid request", param
+
+
+# --- responses --------------------------------------------------------------------------------
+
+
+def completion_id() -> str:
+    return f"cmpl-{uuid.uuid4().hex}"
+
+
+def chat_completion_id() -> str:
+    return f"chatcmpl-{uuid.uuid4().hex}"
+
+
+def _now(created: int | None) -> int:
+    # Chunks of one stream should pass the same `created`; default is now.
+    return int(time.time()) if created is None else created
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion_choice(index: int, text: str, finish_reason: str | None,
+                      logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def completion_response(id: str, model: str, choices: list[dict[str, Any]],
+                        usage: dict[str, int], created: int | None = None) -> dict[str, Any]:
+    return {"id": id, "object": "text_completion", "created": _now(created), "model": model,
+            "choices": choices, "usage": usage}
+
+
+def completion_chunk(id: str, model: str, index: int, text: str, finish_reason: str | None,
+                     logprobs: dict[str, Any] | None = None,
+                     created: int | None = None) -> dict[str, Any]:
+    # OpenAI streams completions with the same object name as the full response.
+    return {"id": id, "object": "text_completion", "created": _now(created), "model": model,
+            "choices": [completion_choice(index, text, finish_reason, logprobs)]}
+
+
+def chat_choice(index: int, content: str, finish_reason: str | None,
+                logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {"index": index, "message": {"role": "assistant", "content": content},
+            "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def chat_response(id: str, model: str, choices: list[dict[str, Any]], usage: dict[str, int],
+                  created: int | None = None) -> dict[str, Any]:
+    return {"id": id, "object": "chat.completion", "created": _now(created), "model": model,
+            "choices": choices, "usage": usage}
+
+
+def chat_delta(content: str, first: bool = False) -> dict[str, str]:
+    """A chunk's delta; OpenAI clients expect the role only on a choice's first chunk."""
+    return {"role": "assistant", "content": content} if first else {"content": content}
+
+
+def chat_chunk(id: str, model: str, index: int, delta: dict[str, Any], finish_reason: str | None,
+               logprobs: dict[str, Any] | None = None,
+               created: int | None = None) -> dict[str, Any]:
+    choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+    return {"id": id, "object": "chat.completion.chunk", "created": _now(created), "model": model,
+            "choices": [choice]}
+
+
+def usage_chunk(id: str, model: str, object: str, usage: dict[str, int],
+                created: int | None = None) -> dict[str, Any]:
+    """The final stream event when stream_options.include_usage is set."""
+    return {"id": id, "object": object, "created": _now(created), "model": model,
+            "choices": [], "usage": usage}
+
+
+# --- logprobs ---------------------------------------------------------------------------------
+
+
+def _render(render: TokenRenderer, token_id: int) -> str:
+    text = render(token_id)
+    # vLLM's spelling for a token the tokenizer cannot name, so the field is never null.
+    return f"token_id:{token_id}" if text is None else text
+
+
+def _finite(logprob: float | None) -> float | None:
+    # -9999.0 is vLLM's stand-in for -inf, which JSON cannot carry.
+    return -9999.0 if logprob == float("-inf") else logprob
+
+
+def completion_logprobs(positions: Sequence[TokenLogprobs], render: TokenRenderer,
+                        text_offset: int = 0) -> dict[str, list[Any]]:
+    """Legacy completions logprobs; `text_offset` is where this text starts in the output
+    (len(prompt) for echo, or the text already streamed)."""
+    out: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                                 "text_offset": []}
+    for pairs in positions:
+        (tok_id, lp), *top = pairs
+        tok = _render(render, tok_id)
+        out["tokens"].append(tok)
+        out["token_logprobs"].append(_finite(lp))
+        out["text_offset"].append(text_offset)
+        text_offset += len(tok)
+        if lp is None:  # e.g. the first echoed prompt token has no logprob
+            out["top_logprobs"].append(None)
+            continue
+        # Keyed by token text; the sampled token is always present (also for logprobs=0), and
+        # setdefault keeps the higher (earlier) logprob if two ids render the same.
+        tops: dict[str, float | None] = {}
+        for t, tlp in top:
+            tops.setdefault(_render(render, t), _finite(tlp))
+        tops.setdefault(tok, _finite(lp))
+        out["top_logprobs"].append(tops)
+    return out
+
+
+def _chat_token(render: TokenRenderer, token_id: int, logprob: float | None) -> dict[str, Any]:
+    tok = _render(render, token_id)
+    lp = -9999.0 if logprob is None else _finite(logprob)  # chat's schema has no null logprob
+    return {"token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8"))}
+
+
+def chat_logprobs(positions: Sequence[TokenLogprobs],
+                  render: TokenRenderer) -> dict[str, list[dict[str, Any]]]:
+    """Chat logprobs: per token, its logprob and its top_logprobs (the requested top-k)."""
+    content = []
+    for pairs in positions:
+        (tok_id, lp), *top = pairs
+        entry = _chat_token(render, tok_id, lp)
+        entry["top_logprobs"] = [_chat_token(render, t, tlp) for t, tlp in top]
+        content.append(entry)
+    return {"content": content}

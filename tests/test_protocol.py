@@ -1,0 +1,377 @@
+"""Request validation, error bodies and response shapes of the OpenAI-compatible protocol."""
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import pytest
+from pydantic import ValidationError
+
+from chunkserve.serve.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    chat_chunk,
+    chat_choice,
+    chat_completion_id,
+    chat_delta,
+    chat_logprobs,
+    chat_response,
+    completion_choice,
+    completion_chunk,
+    completion_id,
+    completion_logprobs,
+    completion_response,
+    error_body,
+    usage,
+    usage_chunk,
+    validation_error_message,
+)
+
+USER = [{"role": "user", "content": "hi"}]
+STREAM_MSG = "Stream options can only be defined when `stream=True`."
+
+
+def chat(**kw: object) -> ChatCompletionRequest:
+    return ChatCompletionRequest(messages=USER, **kw)
+
+
+# --- defaults and mapping -----------------------------------------------------------------------
+
+
+def test_completion_defaults() -> None:
+    req = CompletionRequest(prompt="hello")
+    assert req.max_tokens == 16 and req.n == 1 and not req.stream and req.priority == 0
+    sp = req.to_sampling_params(default_max_tokens=999)
+    assert sp.max_tokens == 16  # OpenAI's completions default, not the context budget
+    assert (sp.temperature, sp.top_p, sp.top_k, sp.min_p) == (1.0, 1.0, 0, 0.0)
+    assert sp.logprobs is None and sp.stop_strings == [] and sp.stop_token_ids == []
+
+
+def test_completion_explicit_null_max_tokens_uses_default() -> None:
+    req = CompletionRequest(prompt="x", max_tokens=None, temperature=None, top_k=None)
+    sp = req.to_sampling_params(default_max_tokens=77)
+    assert (sp.max_tokens, sp.temperature, sp.top_k) == (77, 1.0, 0)
+
+
+def test_completion_maps_fields() -> None:
+    req = CompletionRequest(prompt="x", max_tokens=5, temperature=0, top_p=0.5, top_k=-1,
+                            min_p=0.1, seed=3, stop="\n", stop_token_ids=[2], ignore_eos=True,
+                            min_tokens=2, logprobs=3)
+    sp = req.to_sampling_params(100)
+    assert sp.max_tokens == 5 and sp.greedy and sp.top_p == 0.5 and sp.top_k == 0
+    assert sp.min_p == 0.1 and sp.seed == 3 and sp.stop_strings == ["\n"]
+    assert sp.stop_token_ids == [2] and sp.ignore_eos and sp.min_tokens == 2 and sp.logprobs == 3
+
+
+def test_chat_default_max_tokens_is_passed_default() -> None:
+    assert chat().to_sampling_params(default_max_tokens=123).max_tokens == 123
+
+
+def test_chat_max_tokens_alias() -> None:
+    assert chat(max_tokens=7).to_sampling_params(100).max_tokens == 7
+    assert chat(max_completion_tokens=9).to_sampling_params(100).max_tokens == 9
+    # The deprecated name loses when both are sent.
+    both = chat(max_tokens=7, max_completion_tokens=9)
+    assert both.to_sampling_params(100).max_tokens == 9
+
+
+def test_chat_logprobs_mapping() -> None:
+    assert chat().to_sampling_params(10).logprobs is None
+    assert chat(logprobs=True).to_sampling_params(10).logprobs == 0
+    assert chat(logprobs=True, top_logprobs=5).to_sampling_params(10).logprobs == 5
+
+
+@pytest.mark.parametrize("field,value", [
+    ("temperature", -1.0), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("min_p", 2.0),
+    ("max_tokens", 0), ("min_tokens", -1), ("stop", [""]), ("stop_token_ids", [-1]),
+])
+def test_bad_sampling_values_raise_value_error(field: str, value: object) -> None:
+    # Parsing succeeds; SamplingParams owns the ranges and the server maps its error to a 400.
+    req = CompletionRequest(prompt="x", **{field: value})
+    with pytest.raises(ValueError):
+        req.to_sampling_params(16)
+    with pytest.raises(ValueError):
+        chat(**{field: value}).to_sampling_params(16)
+
+
+def test_min_tokens_above_max_tokens() -> None:
+    with pytest.raises(ValueError, match="min_tokens"):
+        chat(min_tokens=5, max_completion_tokens=2).to_sampling_params(16)
+
+
+# --- prompts and messages -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("prompt,expected", [
+    ("a", ["a"]),
+    (["a", "b"], ["a", "b"]),
+    ([1, 2, 3], [[1, 2, 3]]),
+    ([[1, 2], [3]], [[1, 2], [3]]),
+])
+def test_prompt_normalisation(prompt: object, expected: list[object]) -> None:
+    assert CompletionRequest(prompt=prompt).prompts() == expected
+
+
+@pytest.mark.parametrize("prompt", [[], 5, None, ["a", 1], [[1], "a"], [[]], [True], [1.5]])
+def test_bad_prompts(prompt: object) -> None:
+    with pytest.raises(ValidationError) as ei:
+        CompletionRequest(prompt=prompt)
+    msg, param = validation_error_message(ei.value)
+    assert param == "prompt" and msg.startswith("prompt: ")
+    assert ";" not in msg  # one error, not one per union arm
+
+
+def test_prompt_required() -> None:
+    with pytest.raises(ValidationError) as ei:
+        CompletionRequest()
+    assert validation_error_message(ei.value) == ("prompt: Field required", "prompt")
+
+
+def test_message_dicts_flatten_text_parts() -> None:
+    req = ChatCompletionRequest(messages=[
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        {"role": "assistant", "content": None, "name": "bot"},
+    ])
+    assert req.message_dicts() == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "a\nb"},
+        {"role": "assistant", "content": "", "name": "bot"},
+    ]
+    assert req.add_generation_prompt is True
+
+
+def test_non_text_content_rejected() -> None:
+    image = {"type": "image_url", "image_url": {"url": "http://x"}}
+    with pytest.raises(ValidationError) as ei:
+        ChatCompletionRequest(messages=[{"role": "user", "content": [image]}])
+    msg, param = validation_error_message(ei.value)
+    assert msg == "messages.0.content: only text content is supported"
+    assert param == "messages"
+
+
+def test_empty_messages_rejected() -> None:
+    with pytest.raises(ValidationError):
+        ChatCompletionRequest(messages=[])
+
+
+# --- validators ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("make", [lambda **kw: CompletionRequest(prompt="x", **kw), chat])
+def test_stream_options_need_stream(make) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ValidationError, match=re.escape(STREAM_MSG)) as ei:
+        make(stream_options={"include_usage": True})
+    assert validation_error_message(ei.value) == (STREAM_MSG, "stream_options")
+    ok = make(stream=True, stream_options={"include_usage": True})
+    assert ok.include_usage
+    assert not make(stream=True).include_usage
+    assert make(stream_options=None).stream_options is None
+
+
+@pytest.mark.parametrize("n", [0, -1])
+def test_n_must_be_positive(n: int) -> None:
+    with pytest.raises(ValidationError) as ei:
+        CompletionRequest(prompt="x", n=n)
+    assert validation_error_message(ei.value)[1] == "n"
+    with pytest.raises(ValidationError):
+        chat(n=n)
+    assert CompletionRequest(prompt="x", n=3).n == 3
+
+
+def test_completion_logprobs_bounds() -> None:
+    assert CompletionRequest(prompt="x", logprobs=0).logprobs == 0
+    assert CompletionRequest(prompt="x", logprobs=20).logprobs == 20
+    for bad in (-1, 21):
+        with pytest.raises(ValidationError) as ei:
+            CompletionRequest(prompt="x", logprobs=bad)
+        assert validation_error_message(ei.value)[1] == "logprobs"
+
+
+def test_chat_top_logprobs_bounds_and_dependency() -> None:
+    assert chat(logprobs=True, top_logprobs=20).top_logprobs == 20
+    for bad in (-1, 21):
+        with pytest.raises(ValidationError):
+            chat(logprobs=True, top_logprobs=bad)
+    with pytest.raises(ValidationError, match="`logprobs` must be set to true") as ei:
+        chat(top_logprobs=2)
+    assert validation_error_message(ei.value)[1] == "top_logprobs"
+
+
+def test_unknown_fields_accepted_and_listed() -> None:
+    req = CompletionRequest(prompt="x", frequency_penalty=0.5, best_of=2)
+    assert req.unknown_fields() == ["best_of", "frequency_penalty"]
+    assert chat().unknown_fields() == []
+    assert chat(tools=[], response_format={"type": "text"}).unknown_fields() == [
+        "response_format", "tools"]
+
+
+def test_tokenize_requests() -> None:
+    assert TokenizeRequest(prompt="hi").add_special_tokens is True
+    req = TokenizeRequest(messages=USER, add_generation_prompt=False)
+    assert req.message_dicts() == USER and req.add_generation_prompt is False
+    for bad in ({}, {"prompt": "a", "messages": USER}):
+        with pytest.raises(ValidationError, match="Exactly one"):
+            TokenizeRequest(**bad)
+    assert DetokenizeRequest(tokens=[1, 2]).tokens == [1, 2]
+    with pytest.raises(ValidationError):
+        DetokenizeRequest(tokens=["a"])
+
+
+# --- errors -------------------------------------------------------------------------------------
+
+
+def test_error_body_shape() -> None:
+    assert error_body("bad") == {
+        "error": {"message": "bad", "type": "BadRequestError", "param": None, "code": 400}}
+    body = error_body("nope", "NotFoundError", 404, param="model")
+    assert body == {"error": {"message": "nope", "type": "NotFoundError", "param": "model",
+                              "code": 404}}
+
+
+def test_validation_message_for_bad_type() -> None:
+    with pytest.raises(ValidationError) as ei:
+        CompletionRequest(prompt="x", temperature="hot")
+    msg, param = validation_error_message(ei.value)
+    assert msg.startswith("temperature: Input should be a valid number") and param == "temperature"
+
+
+def test_validation_message_from_fastapi() -> None:
+    """Through a real FastAPI app: the `body` prefix is dropped and JSON errors stay readable."""
+    from fastapi import FastAPI, Request
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse
+    from fastapi.testclient import TestClient
+
+    app = FastAPI()
+
+    @app.exception_handler(RequestValidationError)
+    async def on_invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        msg, param = validation_error_message(exc)
+        return JSONResponse(error_body(msg, param=param), status_code=400)
+
+    @app.post("/v1/completions")
+    async def complete(req: CompletionRequest) -> dict[str, object]:
+        return {"unknown": req.unknown_fields()}
+
+    client = TestClient(app)
+    r = client.post("/v1/completions", json={"prompt": "x", "top_k": "many"})
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["param"] == "top_k" and err["message"].startswith("top_k: Input should be")
+    assert err["type"] == "BadRequestError" and err["code"] == 400
+
+    r = client.post("/v1/completions", json={"prompt": "x", "stream_options": {}})
+    assert r.json()["error"] == {"message": STREAM_MSG, "type": "BadRequestError",
+                                 "param": "stream_options", "code": 400}
+
+    r = client.post("/v1/completions", content=b"{not json",
+                    headers={"content-type": "application/json"})
+    assert r.status_code == 400
+    assert r.json()["error"]["message"].startswith("JSON decode error")
+
+    r = client.post("/v1/completions")
+    assert r.json()["error"]["message"] == "body: Field required"
+
+    r = client.post("/v1/completions", json={"prompt": "x", "foo": 1})
+    assert r.json() == {"unknown": ["foo"]}
+
+
+# --- responses ----------------------------------------------------------------------------------
+
+
+def test_ids() -> None:
+    cid, chid = completion_id(), chat_completion_id()
+    assert cid.startswith("cmpl-") and len(cid) > 10 and cid != completion_id()
+    assert chid.startswith("chatcmpl-")
+    int(cid.removeprefix("cmpl-"), 16)  # hex
+
+
+def test_usage() -> None:
+    assert usage(3, 4) == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+
+
+def test_completion_shapes() -> None:
+    choice = completion_choice(0, "hi", "length")
+    assert choice == {"index": 0, "text": "hi", "logprobs": None, "finish_reason": "length"}
+    resp = completion_response("cmpl-1", "m", [choice], usage(1, 1))
+    assert set(resp) == {"id", "object", "created", "model", "choices", "usage"}
+    assert resp["object"] == "text_completion" and isinstance(resp["created"], int)
+    assert resp["choices"] == [choice]
+    chunk = completion_chunk("cmpl-1", "m", 1, "x", None, created=5)
+    assert chunk == {"id": "cmpl-1", "object": "text_completion", "created": 5, "model": "m",
+                     "choices": [{"index": 1, "text": "x", "logprobs": None,
+                                  "finish_reason": None}]}
+
+
+def test_chat_shapes() -> None:
+    choice = chat_choice(0, "hello", "stop")
+    assert choice == {"index": 0, "message": {"role": "assistant", "content": "hello"},
+                      "logprobs": None, "finish_reason": "stop"}
+    resp = chat_response("chatcmpl-1", "m", [choice], usage(2, 1))
+    assert set(resp) == {"id", "object", "created", "model", "choices", "usage"}
+    assert resp["object"] == "chat.completion"
+    first = chat_chunk("chatcmpl-1", "m", 0, chat_delta("he", first=True), None, created=5)
+    assert first == {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 5,
+                     "model": "m", "choices": [{"index": 0,
+                                                "delta": {"role": "assistant", "content": "he"},
+                                                "logprobs": None, "finish_reason": None}]}
+    later = chat_chunk("chatcmpl-1", "m", 0, chat_delta("llo"), "stop")
+    assert later["choices"][0]["delta"] == {"content": "llo"}
+    assert later["choices"][0]["finish_reason"] == "stop"
+
+
+def test_usage_chunk() -> None:
+    u = usage(2, 3)
+    chunk = usage_chunk("chatcmpl-1", "m", "chat.completion.chunk", u, created=1)
+    assert chunk == {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1,
+                     "model": "m", "choices": [], "usage": u}
+
+
+# --- logprobs -----------------------------------------------------------------------------------
+
+VOCAB = {1: "Hello", 2: " world", 3: "!", 4: " there", 5: "é"}
+
+
+def render(token_id: int) -> str | None:
+    return VOCAB.get(token_id)
+
+
+def test_completion_logprobs() -> None:
+    positions = [[(1, -0.1), (1, -0.1), (4, -2.0)], [(2, -0.5), (4, -0.3)]]
+    lp = completion_logprobs(positions, render, text_offset=3)
+    assert lp == {
+        "tokens": ["Hello", " world"],
+        "token_logprobs": [-0.1, -0.5],
+        # The sampled token is always keyed, even when it is not among the top-k.
+        "top_logprobs": [{"Hello": -0.1, " there": -2.0}, {" there": -0.3, " world": -0.5}],
+        "text_offset": [3, 8],
+    }
+
+
+def test_completion_logprobs_edge_cases() -> None:
+    # logprobs=0: only the sampled token; echoed first prompt token has no logprob;
+    # unknown ids get vLLM's token_id:N spelling; -inf is clamped so the JSON stays valid.
+    lp = completion_logprobs([[(3, None)], [(99, -math.inf)], [(2, -1.0)]], render)
+    assert lp["tokens"] == ["!", "token_id:99", " world"]
+    assert lp["token_logprobs"] == [None, -9999.0, -1.0]
+    assert lp["top_logprobs"] == [None, {"token_id:99": -9999.0}, {" world": -1.0}]
+    assert lp["text_offset"] == [0, 1, 12]
+    json.dumps(lp, allow_nan=False)
+
+
+def test_chat_logprobs() -> None:
+    lp = chat_logprobs([[(5, -0.2), (5, -0.2), (3, -1.7)], [(2, -0.4)]], render)
+    assert lp == {"content": [
+        {"token": "é", "logprob": -0.2, "bytes": [0xC3, 0xA9], "top_logprobs": [
+            {"token": "é", "logprob": -0.2, "bytes": [0xC3, 0xA9]},
+            {"token": "!", "logprob": -1.7, "bytes": [33]},
+        ]},
+        {"token": " world", "logprob": -0.4, "bytes": list(b" world"), "top_logprobs": []},
+    ]}
+    assert set(lp["content"][0]) == {"token", "logprob", "bytes", "top_logprobs"}
+    choice = chat_choice(0, "é world", "stop", logprobs=lp)
+    json.dumps(choice, allow_nan=False)
