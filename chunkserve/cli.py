@@ -1,4 +1,5 @@
-"""`chunkserve` command line: `chunkserve generate ...`, `chunkserve serve [MODEL] ...`."""
+"""`chunkserve` command line: `chunkserve generate ...`, `chunkserve serve [MODEL] ...`,
+`chunkserve bench serve ...`."""
 from __future__ import annotations
 
 import argparse
@@ -58,6 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (vLLM's flags)")
     add_server_args(srv)
     srv.set_defaults(func=run_server)
+
+    from chunkserve.bench.cli import add_bench_parsers
+
+    add_bench_parsers(sub)  # `bench serve`, ...: each registers in chunkserve/bench/cli.py
     return parser
 
 

@@ -40,6 +40,10 @@ class StepTrace:
         self.records: deque[StepRecord] = deque(maxlen=max_records)
         self._file: IO[str] | None = open(path, "w", buffering=1) if path else None
 
+    def keep_all(self) -> None:
+        """Lifts the in-memory bound: a benchmark of bounded length needs every step."""
+        self.records = deque(self.records, maxlen=None)
+
     def add(self, record: StepRecord) -> None:
         self.records.append(record)
         if self._file is not None:

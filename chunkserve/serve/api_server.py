@@ -32,8 +32,41 @@ T = TypeVar("T")
 DEFAULT_MAX_BODY_BYTES = 8 << 20  # 8 MiB: far above any prompt this server can hold
 
 
-class BodyTooLargeError(Exception):
-    pass
+class BodySizeLimit:
+    """Counts body bytes as the app reads them: a chunked upload declares no length up front.
+
+    Past the limit the body read fails (FastAPI then answers 400 "error parsing the body");
+    this middleware swallows that response and sends 413 with an OpenAI error body instead.
+    """
+
+    def __init__(self, app: Any, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        seen = 0
+        exceeded = False
+
+        async def limited_receive() -> dict[str, Any]:
+            nonlocal seen, exceeded
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    exceeded = True
+                    raise ValueError("request body too large")
+            return message
+
+        async def guarded_send(message: dict[str, Any]) -> None:
+            if not exceeded:
+                await send(message)
+
+        await self.app(scope, limited_receive, guarded_send)
+        if exceeded:
+            await error_response(_too_large(self.max_bytes))(scope, receive, send)
 
 
 def error_response(e: ApiError) -> JSONResponse:
@@ -61,6 +94,7 @@ def build_app(
         await asyncio.to_thread(async_engine.shutdown)
 
     app = FastAPI(title="chunkserve", version=__version__, lifespan=lifespan)
+    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     app.state.serving = serving
     app.state.metrics = metrics
 
@@ -84,10 +118,6 @@ def build_app(
     async def on_validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
         message, param = validation_error_message(e)
         return JSONResponse(error_body(message, "BadRequestError", 400, param), 400)
-
-    @app.exception_handler(BodyTooLargeError)
-    async def on_too_large(_: Request, e: BodyTooLargeError) -> JSONResponse:
-        return error_response(_too_large(max_body_bytes))
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:

@@ -28,6 +28,7 @@ class _Choices:
     def __init__(self) -> None:
         self.tokens: dict[int, int] = {}  # choice index -> output tokens already reported
         self.finals: dict[int, RequestOutput] = {}
+        self.text_offsets: dict[int, int] = {}  # choice index -> text_offset of its next token
 
     def new_logprobs(self, index: int, out: RequestOutput) -> list[Any] | None:
         c = out.outputs[0]
@@ -54,18 +55,23 @@ def register_openai_routes(app: FastAPI, serving: Serving) -> None:
     async def completions(req: P.CompletionRequest, raw: Request) -> Response:
         serving.check_model(req.model)
         warn_unknown(req)
+        if req.echo and req.logprobs is not None:
+            raise ApiError(400, "echo together with logprobs (prompt logprobs) is not supported.",
+                           param="echo")
         prompts = await serving.prepare(req.prompts(), req.to_sampling_params)
         serving.check_capacity(len(prompts) * req.n)
+        echoes = [_echo_text(p, serving) if req.echo else "" for p in prompts]
         rid, created = P.completion_id(), int(time.time())
         stream = serving.generate(rid, prompts, req.n, req.priority)
         if req.stream:
-            return _sse(_completion_events(req, rid, created, prompts, stream, serving, render_token))
+            return _sse(_completion_events(
+                req, rid, created, prompts, stream, serving, render_token, echoes))
         result = await until_disconnect(raw, _collect(stream))
         if result is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
         choices = [
             P.completion_choice(
-                i, out.outputs[0].text, out.outputs[0].finish_reason,
+                i, echoes[i // req.n] + out.outputs[0].text, out.outputs[0].finish_reason,
                 _completion_logprobs(out.outputs[0].logprobs, render_token),
             )
             for i, out in sorted(result.items())
@@ -118,8 +124,9 @@ def _prompt_tokens(prompts: list[PreparedPrompt]) -> int:
     return sum(len(p.token_ids) for p in prompts)
 
 
-def _completion_logprobs(logprobs: list[Any] | None, render: Any) -> dict[str, Any] | None:
-    return None if logprobs is None else P.completion_logprobs(logprobs, render)
+def _completion_logprobs(logprobs: list[Any] | None, render: Any,
+                         text_offset: int = 0) -> dict[str, Any] | None:
+    return None if logprobs is None else P.completion_logprobs(logprobs, render, text_offset)
 
 
 def _sse(events: AsyncIterator[str]) -> StreamingResponse:
@@ -136,20 +143,32 @@ async def _guarded(events: AsyncIterator[str]) -> AsyncIterator[str]:
     yield "data: [DONE]\n\n"
 
 
-def _completion_events(req, rid, created, prompts, stream, serving, render):  # type: ignore[no-untyped-def]
+def _echo_text(prompt: PreparedPrompt, serving: Serving) -> str:
+    if prompt.prompt is not None:
+        return prompt.prompt
+    return serving.tokenizer.decode(prompt.token_ids, skip_special_tokens=False)
+
+
+def _completion_events(req, rid, created, prompts, stream, serving, render, echoes):  # type: ignore[no-untyped-def]
     async def events() -> AsyncIterator[str]:
         seen = _Choices()
+        for index in range(len(prompts) * req.n) if req.echo else ():
+            yield sse(P.completion_chunk(rid, serving.model_name, index, echoes[index // req.n],
+                                         None, None, created))
         model = serving.model_name
         async for index, out in stream:
             c = out.outputs[0]
-            logprobs = seen.new_logprobs(index, out)
             if out.finished:
                 seen.finals[index] = out
             if not c.delta_text and not out.finished:
                 continue  # nothing visible yet (partial character, held-back stop prefix)
+            # Taken only for a chunk that is sent, so held-back tokens' logprobs come later.
+            logprobs = seen.new_logprobs(index, out)
+            lp = _completion_logprobs(logprobs, render, seen.text_offsets.get(index, 0))
+            if lp and lp["tokens"]:
+                seen.text_offsets[index] = lp["text_offset"][-1] + len(lp["tokens"][-1])
             yield sse(P.completion_chunk(
-                rid, model, index, c.delta_text, c.finish_reason,
-                _completion_logprobs(logprobs, render), created,
+                rid, model, index, c.delta_text, c.finish_reason, lp, created,
             ))
         if req.include_usage:
             usage = P.usage(_prompt_tokens(prompts), seen.completion_tokens())
@@ -167,11 +186,11 @@ def _chat_events(req, rid, created, prompts, stream, serving, render):  # type: 
                                    None, created))
         async for index, out in stream:
             c = out.outputs[0]
-            logprobs = seen.new_logprobs(index, out)
             if out.finished:
                 seen.finals[index] = out
             if not c.delta_text and not out.finished:
                 continue
+            logprobs = seen.new_logprobs(index, out)
             yield sse(P.chat_chunk(
                 rid, model, index, P.chat_delta(c.delta_text), c.finish_reason,
                 None if logprobs is None else P.chat_logprobs(logprobs, render), created,

@@ -1,0 +1,189 @@
+"""Sweep output: results.json, the article's table with measured numbers, and the plots.
+
+Shared by `bench sweep` (real engine) and the simulator, so both speak the same format.
+"""
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only; no display on servers or CI
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+from chunkserve.bench.sweep import RunResult  # noqa: E402
+
+PLOTS = ("latency_vs_chunk.png", "tpot_cdf.png", "step_timeline.png")
+
+
+def _label(entry: dict[str, Any]) -> str:
+    return str(entry["chunk_size"])
+
+
+def write_results(out_dir: str, entries: list[dict[str, Any]]) -> str:
+    path = os.path.join(out_dir, "results.json")
+    with open(path, "w") as f:
+        json.dump(entries, f, indent=2)
+    return path
+
+
+def _ms(v: float | None) -> str:
+    return "–" if v is None else f"{v:,.0f}" if v >= 100 else f"{v:.1f}"
+
+
+def table_markdown(entries: list[dict[str, Any]], title: str, command: str) -> str:
+    """The article's table, one row per chunk size, measured numbers in place of its words.
+
+    Its columns map as: TTFT → TTFT p50/p99; TPOT → TPOT p50/p99 plus the token-gap columns
+    (ITL p99, max gap: a head-of-line stall is one long gap, which per-request TPOT averages
+    away); p99 latency → E2E p99; "GPU SM use" → how full and how costly steps are (tokens per
+    step, fixed-overhead share of step time).
+    """
+    head = (
+        "| chunk_size | scheduler | TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) | **ITL p99 (ms)** "
+        "| **max gap (ms)** | E2E p99 (ms) | output tok/s | goodput (req/s) | tokens/step "
+        "| step overhead share | preemptions | peak KV | mean frag (tokens) |"
+    )
+    lines = [f"# {title}", "", f"Command: `{command}`", "", head, "|" + "---|" * 14]
+    for e in entries:
+        goodput = e.get("request_goodput")
+        lines.append(
+            f"| {_label(e)} | {e['scheduler']} "
+            f"| {_ms(e.get('median_ttft_ms'))} / {_ms(e.get('p99_ttft_ms'))} "
+            f"| {_ms(e.get('median_tpot_ms'))} / {_ms(e.get('p99_tpot_ms'))} "
+            f"| **{_ms(e.get('p99_itl_ms'))}** | **{_ms(e.get('max_itl_ms'))}** "
+            f"| {_ms(e.get('p99_e2el_ms'))} | {e['output_throughput']:.1f} "
+            f"| {'–' if goodput is None else f'{goodput:.2f}'} "
+            f"| {e['mean_tokens_per_step']:.0f} | {e['step_overhead_share']:.0%} "
+            f"| {e['num_preemptions']} | {e['peak_kv_usage']:.0%} "
+            f"| {e['mean_internal_fragmentation_tokens']:.1f} |"
+        )
+    lines += ["", best_line(entries), ""]
+    return "\n".join(lines)
+
+
+def best_line(entries: list[dict[str, Any]]) -> str:
+    def best(key: str, highest: bool = False) -> str:
+        valid = [e for e in entries if e.get(key) is not None]
+        if not valid:
+            return "–"
+        pick = (max if highest else min)(valid, key=lambda e: e[key])
+        return f"chunk_size {_label(pick)} ({pick[key]:,.1f})"
+
+    return (
+        f"Best for TTFT (p50 ms): {best('median_ttft_ms')}; "
+        f"for TPOT p99 (ms): {best('p99_tpot_ms')}; "
+        f"for token-gap p99 (ITL ms): {best('p99_itl_ms')}; "
+        f"for throughput (output tok/s): {best('output_throughput', highest=True)}."
+    )
+
+
+def write_table(out_dir: str, entries: list[dict[str, Any]], title: str, command: str) -> str:
+    path = os.path.join(out_dir, "table.md")
+    with open(path, "w") as f:
+        f.write(table_markdown(entries, title, command))
+    return path
+
+
+def plot_all(out_dir: str, entries: list[dict[str, Any]], runs: Sequence[RunResult]) -> list[str]:
+    return [
+        _plot_latency(out_dir, entries),
+        _plot_cdf(out_dir, runs),
+        _plot_timeline(out_dir, runs),
+    ]
+
+
+def _plot_latency(out_dir: str, entries: list[dict[str, Any]]) -> str:
+    labels = [_label(e) for e in entries]
+    x = np.arange(len(entries))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for key, name in (("median_ttft_ms", "TTFT p50"), ("p99_ttft_ms", "TTFT p99")):
+        ax1.plot(x, [e.get(key) or np.nan for e in entries], marker="o", label=name)
+    for key, name in (
+        ("median_tpot_ms", "TPOT p50"), ("p99_tpot_ms", "TPOT p99"), ("p99_itl_ms", "ITL p99"),
+        ("max_itl_ms", "max token gap"),
+    ):
+        ax2.plot(x, [e.get(key) or np.nan for e in entries], marker="o", label=name)
+    for ax, title in ((ax1, "Time to first token"), (ax2, "Time per output token / token gaps")):
+        ax.set_xticks(x, labels)
+        ax.set_xlabel("chunk size (max_num_batched_tokens); none = no chunking")
+        ax.set_ylabel("ms")
+        ax.set_yscale("log")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    path = os.path.join(out_dir, PLOTS[0])
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _plot_cdf(out_dir: str, runs: Sequence[RunResult]) -> str:
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for run in runs:
+        ok = [r for r in run.results if r.success]
+        tpots = sorted((r.latency - r.ttft) / (r.output_len - 1) * 1000 for r in ok if r.output_len > 1)
+        gaps = sorted(g * 1000 for r in ok for g in r.itl)
+        name = f"chunk {run.point.chunk_size}"
+        for ax, values in ((ax1, tpots), (ax2, gaps)):
+            if values:
+                ax.plot(values, np.arange(1, len(values) + 1) / len(values), label=name)
+    ax1.set_title("Per-request TPOT (CDF)")
+    ax2.set_title("Token gaps, ITL (CDF): a stall is one long gap")
+    for ax in (ax1, ax2):
+        ax.set_xscale("log")
+        ax.set_xlabel("ms")
+        ax.set_ylabel("fraction")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = os.path.join(out_dir, PLOTS[1])
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _timeline_runs(runs: Sequence[RunResult]) -> list[RunResult]:
+    """The no-chunk baseline (if any) and the chunked run with the smallest ITL p99 spread."""
+    base = [r for r in runs if r.point.chunk_size == "none"]
+    chunked = [r for r in runs if r.point.chunk_size != "none"]
+    picks = base[:1]
+    if chunked:
+        picks.append(chunked[len(chunked) // 2])
+    return picks or list(runs[:1])
+
+
+def _plot_timeline(out_dir: str, runs: Sequence[RunResult]) -> str:
+    picks = _timeline_runs(runs)
+    fig, axes = plt.subplots(len(picks), 1, figsize=(11, 3.2 * len(picks)), squeeze=False)
+    for ax, run in zip(axes[:, 0], picks):
+        recs = [r for r in run.records if r.num_tokens > 0]
+        if not recs:
+            continue
+        t0 = recs[0].start
+        starts = np.array([r.start - t0 for r in recs])
+        widths = np.array([r.duration for r in recs])
+        prefill = np.array([r.num_prefill_tokens for r in recs])
+        decode = np.array([r.num_decode_tokens for r in recs])
+        ax.bar(starts, prefill, width=widths, align="edge", color="tab:orange", label="prefill tokens")
+        ax.bar(starts, decode, width=widths, bottom=prefill, align="edge", color="tab:blue",
+               label="decode tokens")
+        ax.set_ylabel("tokens in step")
+        ax.set_xlabel("time (s)")
+        twin = ax.twinx()
+        twin.plot(starts + widths, widths * 1000, color="black", lw=0.8, label="step duration")
+        twin.set_ylabel("step duration (ms)")
+        ax.set_title(f"Step timeline, chunk size {run.point.chunk_size} ({run.point.scheduler}): "
+                     "each bar is one step, as wide as it took")
+        ax.legend(loc="upper left", fontsize=8)
+        twin.legend(loc="upper right", fontsize=8)
+    fig.tight_layout()
+    path = os.path.join(out_dir, PLOTS[2])
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,147 @@
+"""`chunkserve bench sweep` flags and driver: workload → every chunk size → report."""
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+import time
+from typing import Any
+
+from chunkserve.bench.report import plot_all, table_markdown, write_results, write_table
+from chunkserve.bench.sweep import (
+    RunResult,
+    SweepPoint,
+    measure_capacity,
+    parse_chunk_sizes,
+    run_point,
+    summarize,
+    sweep_points,
+)
+from chunkserve.bench.workloads import arrival_times, sample_requests
+from chunkserve.config import CHUNKED_SCHEDULERS, DTYPES, NO_CHUNK_SCHEDULERS
+
+
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    """The workload flags `bench sweep` shares with the simulator (same names as bench serve)."""
+    p.add_argument("--dataset-name", default="mixed", choices=["random", "mixed", "sharegpt-like", "file"])
+    p.add_argument("--dataset-path", default=None)
+    p.add_argument("--num-prompts", type=int, default=100)
+    p.add_argument("--random-input-len", type=int, default=1024)
+    p.add_argument("--random-output-len", type=int, default=128)
+    p.add_argument("--random-range-ratio", type=float, default=0.0)
+    p.add_argument("--mixed-long-fraction", type=float, default=0.1)
+    p.add_argument("--mixed-long-range", default="2048,4096", help="min,max long prompt tokens")
+    p.add_argument("--mixed-short-range", default="32,256", help="min,max short prompt tokens")
+    p.add_argument("--mixed-output-range", default="32,128", help="min,max output tokens")
+    p.add_argument("--seed", type=int, default=0)
+    rate = p.add_mutually_exclusive_group()
+    rate.add_argument("--request-rate", type=float, default=None, help="req/s; inf = all at once")
+    rate.add_argument("--load", type=float, default=None,
+                      help="arrival rate as a fraction of measured capacity (e.g. 0.7)")
+    p.add_argument("--burstiness", type=float, default=1.0)
+    p.add_argument("--chunk-sizes", default="none,32,64,128,256,512,1024,2048")
+    p.add_argument("--baseline", choices=NO_CHUNK_SCHEDULERS, default="prefill-first",
+                   help="scheduler for the 'none' (no chunking) configuration")
+    p.add_argument("--scheduler", choices=CHUNKED_SCHEDULERS, default="decode-first")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--percentiles", default="50,90,99", help="metric percentiles to report")
+    p.add_argument("--goodput", nargs="*", default=None, help="SLOs like ttft:2000 tpot:100 e2el:20000")
+    p.add_argument("--out", required=True, help="output folder for results.json, table.md, plots")
+
+
+def add_sweep_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--dtype", choices=DTYPES, default="auto")
+    p.add_argument("--max-model-len", type=int, default=None)
+    add_workload_args(p)
+
+
+def _pair(text: str, flag: str) -> tuple[int, int]:
+    try:
+        lo, hi = (int(v) for v in text.split(","))
+    except ValueError:
+        raise ValueError(f"{flag}: expected 'min,max', got {text!r}") from None
+    if not 0 < lo <= hi:
+        raise ValueError(f"{flag}: need 0 < min <= max, got {text!r}")
+    return lo, hi
+
+
+def parse_goodput(items: list[str] | None) -> dict[str, float] | None:
+    if not items:
+        return None
+    slos: dict[str, float] = {}
+    for item in items:
+        key, _, value = item.partition(":")
+        if key not in ("ttft", "tpot", "e2el") or not value:
+            raise ValueError(f"--goodput: expected ttft:MS, tpot:MS or e2el:MS, got {item!r}")
+        slos[key] = float(value)
+    return slos
+
+
+def workload_from_args(args: argparse.Namespace, tokenizer: Any) -> list[Any]:
+    return sample_requests(
+        args.dataset_name, tokenizer, args.num_prompts, args.seed,
+        random_input_len=args.random_input_len, random_output_len=args.random_output_len,
+        random_range_ratio=args.random_range_ratio, long_fraction=args.mixed_long_fraction,
+        long_input_range=_pair(args.mixed_long_range, "--mixed-long-range"),
+        short_input_range=_pair(args.mixed_short_range, "--mixed-short-range"),
+        output_range=_pair(args.mixed_output_range, "--mixed-output-range"),
+        dataset_path=args.dataset_path,
+    )
+
+
+def run_sweep(args: argparse.Namespace) -> int:
+    from chunkserve.model.factory import load_model
+
+    sizes = parse_chunk_sizes(args.chunk_sizes)
+    percentiles = [float(p) for p in args.percentiles.split(",")]
+    goodput = parse_goodput(args.goodput)
+    points = sweep_points(sizes, args.scheduler, args.baseline)
+    loaded = load_model(args.model, args.dtype, args.max_model_len)
+    requests = workload_from_args(args, loaded.tokenizer)
+    longest = max(r.prompt_len + r.output_len for r in requests)
+    if longest > loaded.max_model_len:
+        raise ValueError(
+            f"the workload needs {longest} tokens per request, above max_model_len "
+            f"{loaded.max_model_len}"
+        )
+    engine_kwargs: dict[str, Any] = dict(
+        block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs
+    )
+    rate = args.request_rate
+    if args.load is not None:
+        probe = SweepPoint(512, args.scheduler)
+        capacity = measure_capacity(loaded, requests, engine_kwargs, probe)
+        rate = args.load * capacity
+        print(f"measured capacity {capacity:.3f} req/s; --load {args.load} -> {rate:.3f} req/s")
+    rate = float("inf") if rate is None else rate
+    arrivals = arrival_times(len(requests), rate, args.burstiness, args.seed)
+
+    os.makedirs(args.out, exist_ok=True)
+    entries: list[dict[str, Any]] = []
+    runs: list[RunResult] = []
+    for point in points:
+        t0 = time.monotonic()
+        run = run_point(loaded, point, requests, arrivals, engine_kwargs)
+        run.extra = {"request_rate": rate if rate != float("inf") else "inf",
+                     "num_prompts": len(requests), "dataset_name": args.dataset_name}
+        entry = summarize(run, percentiles, goodput)
+        entries.append(entry)
+        runs.append(run)
+        print(
+            f"chunk_size={point.chunk_size!s:>5} {point.scheduler:<13} "
+            f"TTFT p50 {entry['median_ttft_ms']:8.0f} ms  TPOT p99 {entry['p99_tpot_ms']:7.1f} ms  "
+            f"ITL p99 {entry['p99_itl_ms']:7.1f} ms  max gap {entry['max_itl_ms']:7.0f} ms  "
+            f"({time.monotonic() - t0:.0f} s)",
+            flush=True,
+        )
+        write_results(args.out, entries)  # after every point: a long sweep keeps what it did
+    command = "chunkserve bench sweep " + " ".join(shlex.quote(a) for a in sys.argv[3:])
+    title = f"Chunk-size sweep: {args.model}, {args.dataset_name}, {len(requests)} requests"
+    write_table(args.out, entries, title, command)
+    plot_all(args.out, entries, runs)
+    print(table_markdown(entries, title, command))
+    return 0
