@@ -1,5 +1,4 @@
-"""`chunkserve` command line: `chunkserve generate ...`, `chunkserve serve [MODEL] ...`,
-`chunkserve bench serve ...`."""
+"""`chunkserve` command line: generate, serve, bench serve|sweep, sim, profile."""
 from __future__ import annotations
 
 import argparse
@@ -63,6 +62,15 @@ def build_parser() -> argparse.ArgumentParser:
     from chunkserve.bench.cli import add_bench_parsers
 
     add_bench_parsers(sub)  # `bench serve`, ...: each registers in chunkserve/bench/cli.py
+
+    from chunkserve.sim.cli import add_profile_args, add_sim_args, run_profile, run_sim
+
+    sim = sub.add_parser("sim", help="simulate the sweep for hardware you do not have")
+    add_sim_args(sim)
+    sim.set_defaults(func=run_sim)
+    prof = sub.add_parser("profile", help="calibrate the simulator's cost model on this machine")
+    add_profile_args(prof)
+    prof.set_defaults(func=run_profile)
     return parser
 
 

@@ -147,6 +147,50 @@ def _from_file(path: str, tokenizer: BenchTokenizer, rng: np.random.Generator, n
     return requests
 
 
+def sample_lengths(dataset_name: str, num_prompts: int, seed: int, *,
+                   random_input_len: int = 1024, random_output_len: int = 128,
+                   random_range_ratio: float = 0.0, long_fraction: float = 0.1,
+                   long_input_range: tuple[int, int] = (2048, 4096),
+                   short_input_range: tuple[int, int] = (32, 256),
+                   output_range: tuple[int, int] = (32, 128),
+                   ) -> tuple[np.ndarray, np.ndarray, np.random.Generator]:
+    """(input lengths, output lengths, the generator after drawing them) of a synthetic dataset.
+
+    The simulator needs only lengths; drawing them here, first, keeps a simulated workload
+    identical to the real one for the same seed.
+    """
+    if num_prompts < 1:
+        raise ValueError(f"num_prompts must be at least 1, got {num_prompts}")
+    rng = np.random.default_rng(seed)
+    if dataset_name == "random":
+        input_lens = _uniform_ints(rng, _length_range(random_input_len, random_range_ratio),
+                                   num_prompts)
+        output_lens = _uniform_ints(rng, _length_range(random_output_len, random_range_ratio),
+                                    num_prompts)
+    elif dataset_name == "mixed":
+        # The article's workload: a few long prompts whose prefills block many short requests.
+        # An exact count of long prompts (at random positions) keeps the mix the same per seed.
+        if not 0.0 <= long_fraction <= 1.0:
+            raise ValueError(f"long_fraction must be in [0, 1], got {long_fraction}")
+        is_long = np.zeros(num_prompts, dtype=bool)
+        n_long = round(num_prompts * long_fraction)
+        is_long[rng.choice(num_prompts, size=n_long, replace=False)] = True
+        long_lens = _uniform_ints(rng, long_input_range, num_prompts)
+        short_lens = _uniform_ints(rng, short_input_range, num_prompts)
+        input_lens = np.where(is_long, long_lens, short_lens)
+        output_lens = _uniform_ints(rng, output_range, num_prompts)
+    elif dataset_name == "sharegpt-like":
+        input_lens = _lognormal_lens(rng, _SHAREGPT_INPUT_MEDIAN, _SHAREGPT_INPUT_SIGMA,
+                                     num_prompts)
+        output_lens = _lognormal_lens(rng, _SHAREGPT_OUTPUT_MEDIAN, _SHAREGPT_OUTPUT_SIGMA,
+                                      num_prompts)
+        output_lens = np.minimum(output_lens, _SHAREGPT_MAX_TOTAL - input_lens)
+    else:
+        raise ValueError(f"dataset {dataset_name!r} has no synthetic lengths; expected one of "
+                         "random, mixed, sharegpt-like")
+    return input_lens, output_lens, rng
+
+
 def sample_requests(dataset_name: str, tokenizer: BenchTokenizer, num_prompts: int, seed: int, *,
                     random_input_len: int = 1024, random_output_len: int = 128,
                     random_range_ratio: float = 0.0, long_fraction: float = 0.1,
@@ -159,41 +203,22 @@ def sample_requests(dataset_name: str, tokenizer: BenchTokenizer, num_prompts: i
     prompt_len counts tokens without special tokens (vLLM's convention): a server whose
     tokenizer prepends BOS sees prompt_len + 1.
     """
-    if num_prompts < 1:
-        raise ValueError(f"num_prompts must be at least 1, got {num_prompts}")
-    rng = np.random.default_rng(seed)
-    if dataset_name == "random":
-        input_lens = _uniform_ints(rng, _length_range(random_input_len, random_range_ratio),
-                                   num_prompts)
-        output_lens = _uniform_ints(rng, _length_range(random_output_len, random_range_ratio),
-                                    num_prompts)
-        return _synthetic(tokenizer, rng, input_lens, output_lens)
-    if dataset_name == "mixed":
-        # The article's workload: a few long prompts whose prefills block many short requests.
-        # An exact count of long prompts (at random positions) keeps the mix the same per seed.
-        if not 0.0 <= long_fraction <= 1.0:
-            raise ValueError(f"long_fraction must be in [0, 1], got {long_fraction}")
-        is_long = np.zeros(num_prompts, dtype=bool)
-        n_long = round(num_prompts * long_fraction)
-        is_long[rng.choice(num_prompts, size=n_long, replace=False)] = True
-        long_lens = _uniform_ints(rng, long_input_range, num_prompts)
-        short_lens = _uniform_ints(rng, short_input_range, num_prompts)
-        input_lens = np.where(is_long, long_lens, short_lens)
-        output_lens = _uniform_ints(rng, output_range, num_prompts)
-        return _synthetic(tokenizer, rng, input_lens, output_lens)
-    if dataset_name == "sharegpt-like":
-        input_lens = _lognormal_lens(rng, _SHAREGPT_INPUT_MEDIAN, _SHAREGPT_INPUT_SIGMA,
-                                     num_prompts)
-        output_lens = _lognormal_lens(rng, _SHAREGPT_OUTPUT_MEDIAN, _SHAREGPT_OUTPUT_SIGMA,
-                                      num_prompts)
-        output_lens = np.minimum(output_lens, _SHAREGPT_MAX_TOTAL - input_lens)
-        return _synthetic(tokenizer, rng, input_lens, output_lens)
     if dataset_name == "file":
+        if num_prompts < 1:
+            raise ValueError(f"num_prompts must be at least 1, got {num_prompts}")
         if not dataset_path:
             raise ValueError("the 'file' dataset needs --dataset-path (JSONL: prompt, output_len)")
+        rng = np.random.default_rng(seed)
         return _from_file(dataset_path, tokenizer, rng, num_prompts, random_output_len)
-    raise ValueError(f"unknown dataset {dataset_name!r}; expected one of "
-                     f"{', '.join(DATASET_NAMES)}")
+    if dataset_name not in DATASET_NAMES:
+        raise ValueError(f"unknown dataset {dataset_name!r}; expected one of "
+                         f"{', '.join(DATASET_NAMES)}")
+    input_lens, output_lens, rng = sample_lengths(
+        dataset_name, num_prompts, seed, random_input_len=random_input_len,
+        random_output_len=random_output_len, random_range_ratio=random_range_ratio,
+        long_fraction=long_fraction, long_input_range=long_input_range,
+        short_input_range=short_input_range, output_range=output_range)
+    return _synthetic(tokenizer, rng, input_lens, output_lens)
 
 
 def arrival_times(num: int, request_rate: float, burstiness: float, seed: int) -> list[float]:

@@ -12,7 +12,7 @@ from chunkserve.core.sched_output import ScheduledRequest
 from chunkserve.core.scheduler import Scheduler
 from chunkserve.engine.detokenizer import IncrementalDetokenizer
 from chunkserve.engine.model_runner import ModelRunner, kv_bytes_per_block
-from chunkserve.engine.trace import StepRecord, StepTrace
+from chunkserve.engine.trace import StepTrace, step_record
 from chunkserve.model.factory import LoadedModel, load_model
 from chunkserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from chunkserve.sampling_params import SamplingParams
@@ -164,26 +164,7 @@ class LLMEngine:
         updated = self.scheduler.update_from_output(out, result.sampled)
         outputs = [self._process(req, now, result.logprobs.get(req.request_id)) for req in updated]
 
-        stats = out.kv_stats
-        assert stats is not None
-        self.trace.add(
-            StepRecord(
-                step=self._step_count,
-                start=start,
-                duration=self.clock() - start,
-                num_prefill_tokens=out.num_prefill_tokens,
-                num_decode_tokens=out.num_decode_tokens,
-                num_prefill_reqs=sum(1 for s in out.scheduled if not s.is_decode),
-                num_decode_reqs=sum(1 for s in out.scheduled if s.is_decode),
-                num_running=out.num_running,
-                num_waiting=out.num_waiting,
-                kv_usage=stats.usage,
-                kv_blocks_used=stats.num_used_blocks,
-                internal_fragmentation=stats.internal_fragmentation,
-                num_preemptions=len(out.preempted_req_ids),
-                num_swapped_blocks=len(out.blocks_to_swap_out) + len(out.blocks_to_swap_in),
-            )
-        )
+        self.trace.add(step_record(self._step_count, start, self.clock() - start, out))
         self._step_count += 1
         return outputs
 

@@ -10,6 +10,8 @@ from collections import deque
 from dataclasses import asdict, dataclass
 from typing import IO
 
+from chunkserve.core.sched_output import SchedulerOutput
+
 
 @dataclass
 class StepRecord:
@@ -31,6 +33,28 @@ class StepRecord:
     @property
     def num_tokens(self) -> int:
         return self.num_prefill_tokens + self.num_decode_tokens
+
+
+def step_record(step: int, start: float, duration: float, out: SchedulerOutput) -> StepRecord:
+    """The record of one step from what its schedule() decided (shared by engine and sim)."""
+    stats = out.kv_stats
+    assert stats is not None, "schedule() always fills kv_stats"
+    return StepRecord(
+        step=step,
+        start=start,
+        duration=duration,
+        num_prefill_tokens=out.num_prefill_tokens,
+        num_decode_tokens=out.num_decode_tokens,
+        num_prefill_reqs=sum(1 for s in out.scheduled if not s.is_decode),
+        num_decode_reqs=sum(1 for s in out.scheduled if s.is_decode),
+        num_running=out.num_running,
+        num_waiting=out.num_waiting,
+        kv_usage=stats.usage,
+        kv_blocks_used=stats.num_used_blocks,
+        internal_fragmentation=stats.internal_fragmentation,
+        num_preemptions=len(out.preempted_req_ids),
+        num_swapped_blocks=len(out.blocks_to_swap_out) + len(out.blocks_to_swap_in),
+    )
 
 
 class StepTrace:

@@ -1,0 +1,154 @@
+"""`chunkserve profile`: time real engine steps of known shapes, fit the linear cost model.
+
+Every sample is a whole `engine.step()` as the step trace records it (scheduling, model,
+sampling, detokenization), so the fitted model predicts the same durations the benchmarks
+measure. Shapes come in families — prefill chunks over growing cached context, decode batches
+over contexts, and mixed steps — and the fit error is reported per family.
+"""
+from __future__ import annotations
+
+import json
+import platform
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from chunkserve.sim.cost_model import LINEAR_FEATURES, StepShape, linear_features
+
+
+@dataclass
+class Sample:
+    family: str
+    shape: StepShape
+    duration: float  # seconds
+
+
+def fit_linear(samples: Sequence[Sample]) -> dict[str, float]:
+    """Non-negative least squares on relative error (each sample weighted by 1/duration).
+
+    Relative weighting keeps 20 ms decode steps as important as 2 s prefill steps: TPOT is
+    made of the former. Negative coefficients are physically meaningless; features that want
+    one are dropped and the rest refitted (a small active-set loop).
+    """
+    X = np.array([[linear_features(s.shape)[k] for k in LINEAR_FEATURES] for s in samples])
+    y = np.array([s.duration for s in samples])
+    w = 1.0 / y
+    active = [j for j in range(len(LINEAR_FEATURES)) if X[:, j].any()]
+    coef = np.zeros(len(LINEAR_FEATURES))
+    while active:
+        A = X[:, active] * w[:, None]
+        sol, *_ = np.linalg.lstsq(A, y * w, rcond=None)
+        if (sol >= 0).all():
+            coef[:] = 0.0
+            coef[active] = sol
+            break
+        active.pop(int(np.argmin(sol)))
+    return {k: float(c) for k, c in zip(LINEAR_FEATURES, coef)}
+
+
+def fit_errors(samples: Sequence[Sample], coefficients: dict[str, float]) -> dict[str, float]:
+    """Mean relative error of the fit, per shape family and overall."""
+    def predict(shape: StepShape) -> float:
+        return sum(coefficients[k] * v for k, v in linear_features(shape).items())
+
+    errors: dict[str, list[float]] = {}
+    for s in samples:
+        err = abs(predict(s.shape) - s.duration) / s.duration
+        errors.setdefault(s.family, []).append(err)
+        errors.setdefault("all", []).append(err)
+    return {family: float(np.mean(v)) for family, v in errors.items()}
+
+
+# ---- measuring on the real engine ---------------------------------------------------------------
+@dataclass
+class Scenario:
+    family: str
+    prompts: list[int]  # prompt lengths, all arriving at once
+    max_tokens: int
+    budget: int  # max_num_batched_tokens
+
+
+def default_grid(quick: bool = False) -> list[Scenario]:
+    prefill = [Scenario("prefill", [2048], 1, c) for c in (32, 128, 512, 2048)]
+    decode = [
+        Scenario("decode", [ctx] * b, 9, b * ctx)
+        for b, ctx in ((1, 256), (1, 2048), (8, 512), (16, 1024), (32, 256), (32, 512), (64, 128))
+    ]
+    mixed = [Scenario("mixed", [192] * 8 + [1536], 24, c) for c in (64, 256, 1024)]
+    if quick:
+        return [prefill[1], decode[2], decode[4], mixed[1]]
+    return prefill + decode + mixed
+
+
+def measure(loaded: Any, scenarios: Sequence[Scenario], block_size: int = 16) -> list[Sample]:
+    from chunkserve.engine.llm_engine import LLMEngine
+    from chunkserve.sampling_params import SamplingParams
+
+    samples: list[Sample] = []
+    for sc in scenarios:
+        engine = LLMEngine.from_kwargs(
+            loaded=loaded, model=loaded.path, max_num_batched_tokens=sc.budget,
+            block_size=block_size, max_num_seqs=max(256, len(sc.prompts)),
+        )
+        engine.trace.keep_all()
+        params = SamplingParams(max_tokens=sc.max_tokens, temperature=0.0, ignore_eos=True)
+        for i, n in enumerate(sc.prompts):
+            # The mixed family's last prompt arrives once the others are decoding.
+            if sc.family == "mixed" and i == len(sc.prompts) - 1:
+                for _ in range(3):
+                    engine.step()
+            engine.add_request(None, [100 + (7 * j + i) % 30000 for j in range(n)], params)
+        first = True
+        while engine.has_unfinished_requests():
+            engine.step()
+            shape = StepShape.from_scheduled(engine.last_scheduled)
+            record = engine.trace.records[-1]
+            if first:  # the first step of an engine pays one-off allocation costs
+                first = False
+                continue
+            if shape.num_tokens:
+                family = sc.family if sc.family != "mixed" or shape.is_mixed else (
+                    "decode" if not shape.prefill else "prefill")
+                samples.append(Sample(family, shape, record.duration))
+    return samples
+
+
+def profile(model: str, dtype: str, quick: bool = False, block_size: int = 16) -> dict[str, Any]:
+    from chunkserve.config import DEFAULT_KV_CACHE_GIB
+    from chunkserve.engine.model_runner import kv_bytes_per_block
+    from chunkserve.model.factory import load_model
+
+    t0 = time.monotonic()
+    loaded = load_model(model, dtype, max_model_len=4096)
+    samples = measure(loaded, default_grid(quick), block_size)
+    coefficients = fit_linear(samples)
+    block_bytes = kv_bytes_per_block(loaded.model, block_size)
+    return {
+        "kind": "linear",
+        "name": f"{platform.node() or 'this-machine'}-{platform.machine()}",
+        "machine": platform.processor() or platform.machine(),
+        "model": model,
+        "dtype": str(loaded.model.dtype).removeprefix("torch."),
+        "block_size": block_size,
+        "num_kv_blocks": int(DEFAULT_KV_CACHE_GIB * (1 << 30) // block_bytes),
+        "coefficients": coefficients,
+        "fit_error": fit_errors(samples, coefficients),
+        "num_samples": len(samples),
+        "profile_seconds": round(time.monotonic() - t0, 1),
+    }
+
+
+def write_profile(profile_dict: dict[str, Any], path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(profile_dict, f, indent=2)
+
+
+def load_profile(path: str) -> dict[str, Any]:
+    with open(path) as f:
+        data = json.load(f)
+    if data.get("kind") != "linear" or "coefficients" not in data:
+        raise ValueError(f"{path}: not a chunkserve profile (run `chunkserve profile`)")
+    return data

@@ -1,0 +1,190 @@
+"""How long a step takes, from its shape alone: the simulator's stand-in for the model.
+
+Two models behind one interface, both returning a per-term breakdown whose sum is the step time:
+
+- `RooflineCostModel` (a GPU from its datasheet, a model from its config):
+    linear   = L · max(FLOPs(T_pad) / (peak · eff(T_pad)), weight bytes / (BW · bw_eff))
+               with T_pad = T rounded up to the GEMM tile (to 16 below one tile) and
+               eff(T) = e_max · T / (T + T_half)
+    launch   = L · kernels_per_layer · launch_us
+    attn     = prefill: Σ 4 · H · d · chunk · (cached + chunk/2) · L / (peak · attn_eff)
+               decode:  Σ context · KV bytes/token / (BW · bw_eff)
+               mixed:   fused backend: +penalty · (prefill + decode) when both share the call;
+                        split: none; pod: prefill and decode overlap, max() instead of sum
+    lm_head  = max(2 · S · V · h / (peak · eff(S)), V · h · bytes / BW) for S sampled tokens
+    comm     = 2 · L · (T · h · bytes · 2(tp−1)/tp / link + latency) when tp > 1
+    overhead = step_overhead + request_overhead · requests
+- `LinearCostModel` (a machine calibrated by `chunkserve profile`): the same terms as a sum of
+  fitted coefficient × feature, which is what the CPU's step times follow.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from chunkserve.core.sched_output import ScheduledRequest, SchedulerOutput
+from chunkserve.sim.specs import HardwareSpec, ModelSpec
+
+ATTENTION_BACKENDS = ("fused", "split", "pod")
+
+
+@dataclass
+class StepShape:
+    """What a cost model sees of a step."""
+
+    prefill: list[tuple[int, int]] = field(default_factory=list)  # (chunk tokens, cached before)
+    decode_contexts: list[int] = field(default_factory=list)  # KV length each decode attends to
+    num_sampled: int = 0
+
+    @classmethod
+    def from_output(cls, out: SchedulerOutput) -> StepShape:
+        return cls.from_scheduled(out.scheduled)
+
+    @classmethod
+    def from_scheduled(cls, scheduled: Sequence[ScheduledRequest]) -> StepShape:
+        shape = cls()
+        for sr in scheduled:
+            if sr.is_decode:
+                shape.decode_contexts.append(sr.start + 1)
+            else:
+                shape.prefill.append((sr.num_new_tokens, sr.start))
+            shape.num_sampled += int(sr.samples)
+        return shape
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for n, _ in self.prefill) + len(self.decode_contexts)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.prefill) + len(self.decode_contexts)
+
+    @property
+    def prefill_attention_work(self) -> float:
+        """Σ chunk · (cached + chunk/2): query-key pairs of causal chunked prefill."""
+        return float(sum(n * (c + n / 2) for n, c in self.prefill))
+
+    @property
+    def decode_context(self) -> int:
+        return sum(self.decode_contexts)
+
+    @property
+    def is_mixed(self) -> bool:
+        return bool(self.prefill) and bool(self.decode_contexts)
+
+
+class CostModel(Protocol):
+    def breakdown(self, shape: StepShape) -> dict[str, float]: ...
+
+
+def step_time(model: CostModel, shape: StepShape) -> float:
+    return sum(model.breakdown(shape).values())
+
+
+@dataclass
+class RooflineCostModel:
+    hw: HardwareSpec
+    model: ModelSpec
+    tensor_parallel_size: int = 1
+    attention_backend: str = "fused"
+
+    def __post_init__(self) -> None:
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError("tensor_parallel_size must be at least 1")
+        tp = self.tensor_parallel_size
+        if self.model.num_key_value_heads % tp and tp % self.model.num_key_value_heads:
+            raise ValueError(f"{self.model.num_key_value_heads} KV heads do not shard over tp={tp}")
+
+    def _gemm_time(self, rows: int, params: float) -> float:
+        """One GEMM of `rows` tokens against `params` weights, compute- or bandwidth-bound."""
+        if rows <= 0:
+            return 0.0
+        hw = self.hw
+        # A partial tile costs a whole one. Small GEMMs (decode batches) run kernels with small
+        # M tiles, so below one tile only the MMA granule of 16 rows is padded.
+        tile = hw.gemm_tile if rows > hw.gemm_tile else 16
+        padded = math.ceil(rows / tile) * tile
+        eff = hw.gemm_efficiency * padded / (padded + hw.gemm_half_tokens)
+        compute = 2.0 * padded * params / (hw.peak_flops * eff)
+        memory = params * self.model.dtype_bytes / (hw.bandwidth * hw.bandwidth_efficiency)
+        return max(compute, memory)
+
+    def breakdown(self, shape: StepShape) -> dict[str, float]:
+        hw, m, tp = self.hw, self.model, self.tensor_parallel_size
+        L = m.num_hidden_layers
+        T = shape.num_tokens
+        heads = m.num_attention_heads / tp
+        kv_per_token = m.kv_bytes_per_token / min(tp, m.num_key_value_heads)
+        bw = hw.bandwidth * hw.bandwidth_efficiency
+        prefill_attn = (
+            4.0 * heads * m.dim * shape.prefill_attention_work * L
+            / (hw.peak_flops * hw.attention_efficiency)
+        )
+        decode_attn = shape.decode_context * kv_per_token / bw
+        if self.attention_backend == "pod":
+            attention, mixed = max(prefill_attn, decode_attn), 0.0
+        else:
+            attention = prefill_attn + decode_attn
+            penalty = hw.mixed_batch_penalty if self.attention_backend == "fused" else 0.0
+            mixed = penalty * attention if shape.is_mixed else 0.0
+        comm = 0.0
+        if tp > 1 and T:
+            volume = T * m.hidden_size * m.dtype_bytes * 2 * (tp - 1) / tp
+            comm = 2 * L * (volume / (hw.link_gbps * 1e9) + hw.allreduce_latency_us * 1e-6)
+        return {
+            "linear": L * self._gemm_time(T, m.layer_params / tp),
+            "launch": L * hw.kernels_per_layer * hw.launch_us * 1e-6 if T else 0.0,
+            "attention": attention,
+            "mixed_penalty": mixed,
+            "lm_head": self._gemm_time(shape.num_sampled, m.head_params / tp),
+            "communication": comm,
+            "overhead": (hw.step_overhead_ms * 1e-3 + hw.request_overhead_us * 1e-6
+                         * shape.num_requests) if T else 0.0,
+        }
+
+    def kv_cache_blocks(self, block_size: int) -> int:
+        """(memory · utilization − weights − activations) / KV bytes per token, in blocks."""
+        hw, m, tp = self.hw, self.model, self.tensor_parallel_size
+        gib = 1 << 30
+        free = hw.memory_gib * gib * hw.gpu_memory_utilization
+        free -= m.weight_bytes / tp + hw.activation_reserve_gib * gib
+        per_token = m.kv_bytes_per_token / min(tp, m.num_key_value_heads)
+        blocks = int(free // (per_token * block_size))
+        if blocks < 1:
+            raise ValueError(f"{m.name} does not fit on {hw.name} with tp={tp}: no room for KV")
+        return blocks
+
+
+# The features of a calibrated model, in the order calibration fits them.
+LINEAR_FEATURES = (
+    "step", "request", "token", "prefill_attention", "decode_context", "sampled", "mixed",
+)
+
+
+def linear_features(shape: StepShape) -> dict[str, float]:
+    if not shape.num_tokens:
+        return dict.fromkeys(LINEAR_FEATURES, 0.0)
+    return {
+        "step": 1.0,
+        "request": float(shape.num_requests),
+        "token": float(shape.num_tokens),
+        "prefill_attention": shape.prefill_attention_work,
+        "decode_context": float(shape.decode_context),
+        "sampled": float(shape.num_sampled),
+        # Mixed steps' extra attention cost, if the backend has any.
+        "mixed": float(shape.decode_context) if shape.is_mixed else 0.0,
+    }
+
+
+@dataclass
+class LinearCostModel:
+    coefficients: dict[str, float]  # seconds per unit of each feature
+    name: str = "calibrated"
+
+    def breakdown(self, shape: StepShape) -> dict[str, float]:
+        feats = linear_features(shape)
+        return {k: self.coefficients.get(k, 0.0) * v for k, v in feats.items()}

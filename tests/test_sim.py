@@ -1,0 +1,202 @@
+"""The simulator: the real scheduler on a virtual clock, the cost model, calibration."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from chunkserve.bench.sweep import SweepPoint, summarize
+from chunkserve.bench.workloads import BenchRequest
+from chunkserve.engine.model_runner import RunnerOutput
+from chunkserve.sim.calibrate import Sample, fit_linear
+from chunkserve.sim.cost_model import (
+    LINEAR_FEATURES,
+    LinearCostModel,
+    RooflineCostModel,
+    StepShape,
+    step_time,
+)
+from chunkserve.sim.simulator import SimConfig, SimEngine, length_requests, simulate
+from chunkserve.sim.specs import get_hardware, get_model, hardware_names, model_names
+
+
+@pytest.fixture(scope="module")
+def a100_8b() -> RooflineCostModel:
+    return RooflineCostModel(get_hardware("a100-80gb"), get_model("llama-3-8b"))
+
+
+# ---- the same scheduler ------------------------------------------------------------------------
+class FakeRunner:
+    """Stands in for the model: every request that catches up samples token 7."""
+
+    def execute(self, out):  # type: ignore[no-untyped-def]
+        return RunnerOutput({s.request.request_id: 7 for s in out.scheduled if s.samples})
+
+
+@pytest.mark.parametrize("scheduler,budget", [("decode-first", 48), ("vllm-v1", 32),
+                                              ("prefill-first", 256)])
+def test_simulator_schedules_exactly_like_the_engine(tiny_model_dir, scheduler, budget):
+    from chunkserve.engine.llm_engine import LLMEngine
+    from chunkserve.sampling_params import SamplingParams
+
+    lengths = [(70, 6), (15, 9), (130, 4), (33, 7), (90, 5)]
+    engine = LLMEngine.from_kwargs(
+        model=tiny_model_dir, dtype="float32", max_model_len=256, scheduler=scheduler,
+        max_num_batched_tokens=budget, num_kv_blocks=20,
+    )
+    engine.runner = FakeRunner()  # type: ignore[assignment]
+    sim = SimEngine(SweepPoint("none" if budget == 256 else budget, scheduler),
+                    SimConfig(max_model_len=256, num_kv_blocks=20), a100_cost())
+    for i, (n_in, n_out) in enumerate(lengths):
+        params = SamplingParams(max_tokens=n_out, temperature=0.0, ignore_eos=True)
+        engine.add_request(f"r{i}", [100 + j for j in range(n_in)], params, arrival_time=0.0)
+        sim.add_request(f"r{i}", n_in, n_out, 0.0)
+    real_log = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        real_log.append([(s.request.request_id, s.num_new_tokens) for s in engine.last_scheduled])
+    while sim.has_unfinished_requests():
+        sim.step()
+    assert sim.scheduled_log == real_log
+    assert engine.scheduler.num_preemptions == sim.scheduler.num_preemptions
+
+
+def a100_cost() -> RooflineCostModel:
+    return RooflineCostModel(get_hardware("a100-80gb"), get_model("llama-3-8b"))
+
+
+# ---- cost model ---------------------------------------------------------------------------------
+def test_cost_is_monotone_in_tokens_and_context(a100_8b):
+    prefill = [step_time(a100_8b, StepShape(prefill=[(n, 0)], num_sampled=1))
+               for n in (64, 256, 1024, 4096)]
+    assert prefill == sorted(prefill) and len(set(prefill)) == 4
+    cached = [step_time(a100_8b, StepShape(prefill=[(512, c)], num_sampled=1))
+              for c in (0, 1024, 4096)]
+    assert cached == sorted(cached) and len(set(cached)) == 3
+    decode = [step_time(a100_8b, StepShape(decode_contexts=[ctx] * 32, num_sampled=32))
+              for ctx in (128, 1024, 8000)]
+    assert decode == sorted(decode) and len(set(decode)) == 3
+
+
+def test_article_magnitudes(a100_8b):
+    """background.md: a 4096-token prefill ~200-400 ms, a decode step ~5-15 ms (A100, 8B)."""
+    prefill = step_time(a100_8b, StepShape(prefill=[(4096, 0)], num_sampled=1))
+    decode = step_time(a100_8b, StepShape(decode_contexts=[1024] * 32, num_sampled=32))
+    assert 0.2 <= prefill <= 0.4
+    assert 0.005 <= decode <= 0.015
+
+
+def test_tile_quantization_steps_at_the_tile_boundary(a100_8b):
+    linear = {t: a100_8b.breakdown(StepShape(prefill=[(t, 0)]))["linear"]
+              for t in (1023, 1024, 1025, 1152)}
+    assert linear[1023] == linear[1024] < linear[1025] == linear[1152]
+
+
+def test_mixed_penalty_only_for_mixed_steps(a100_8b):
+    prefill_only = StepShape(prefill=[(512, 0)], num_sampled=1)
+    decode_only = StepShape(decode_contexts=[1024] * 16, num_sampled=16)
+    mixed = StepShape(prefill=[(512, 0)], decode_contexts=[1024] * 16, num_sampled=17)
+    assert a100_8b.breakdown(prefill_only)["mixed_penalty"] == 0.0
+    assert a100_8b.breakdown(decode_only)["mixed_penalty"] == 0.0
+    assert a100_8b.breakdown(mixed)["mixed_penalty"] > 0.0
+    split = RooflineCostModel(a100_8b.hw, a100_8b.model, attention_backend="split")
+    pod = RooflineCostModel(a100_8b.hw, a100_8b.model, attention_backend="pod")
+    assert split.breakdown(mixed)["mixed_penalty"] == 0.0
+    assert step_time(pod, mixed) < step_time(split, mixed) < step_time(a100_8b, mixed)
+
+
+def test_kv_capacity_llama3_8b_on_a100_80gb(a100_8b):
+    # By hand: per layer q 4096*4096 + k,v 2*4096*1024 + o 4096*4096 + mlp 3*4096*14336
+    layer = 4096 * 4096 + 2 * 4096 * 1024 + 4096 * 4096 + 3 * 4096 * 14336  # 218,103,808
+    weights = (32 * layer + 2 * 128256 * 4096) * 2  # + embedding and untied head, bf16 bytes
+    free = 80 * 2**30 * 0.9 - weights - 2 * 2**30  # 90% of memory, minus activations
+    kv_per_token = 2 * 32 * 8 * 128 * 2  # K and V, 32 layers, 8 KV heads of 128, bf16
+    assert layer == 218_103_808 and kv_per_token == 131_072
+    assert a100_8b.kv_cache_blocks(16) == int(free // (kv_per_token * 16))
+
+
+def test_tensor_parallel_shards_and_communicates():
+    hw, model = get_hardware("h100-sxm"), get_model("llama-3-70b")
+    with pytest.raises(ValueError, match="does not fit"):
+        RooflineCostModel(hw, model, 1).kv_cache_blocks(16)
+    tp4 = RooflineCostModel(hw, model, 4)
+    tp8 = RooflineCostModel(hw, model, 8)
+    shape = StepShape(prefill=[(2048, 0)], num_sampled=1)
+    assert tp4.breakdown(shape)["communication"] > 0
+    assert step_time(tp8, shape) < step_time(tp4, shape)
+    assert tp8.kv_cache_blocks(16) > tp4.kv_cache_blocks(16) > 0
+
+
+def test_presets_load():
+    assert {"a100-80gb", "a100-40gb", "h100-sxm", "h200", "l4", "a6000"} <= set(hardware_names())
+    assert {"llama-3-8b", "llama-3-70b", "llama-2-13b", "mistral-7b", "smollm2-135m"} <= set(
+        model_names())
+    with pytest.raises(ValueError, match="unknown hardware"):
+        get_hardware("tpu-v9")
+
+
+def test_model_from_hf_config(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({
+        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1000,
+    }))
+    spec = get_model(str(tmp_path))
+    assert spec.num_key_value_heads == 2 and spec.dim == 16
+
+
+# ---- calibration --------------------------------------------------------------------------------
+def test_calibration_recovers_known_coefficients():
+    truth = {"step": 0.020, "request": 0.0004, "token": 0.0006, "prefill_attention": 2e-8,
+             "decode_context": 1.5e-6, "sampled": 0.0005, "mixed": 3e-7}
+    rng = np.random.default_rng(0)
+    samples = []
+    for _ in range(300):
+        kind = rng.integers(3)
+        prefill = [(int(rng.integers(16, 2048)), int(rng.integers(0, 3000)))] if kind != 1 else []
+        decodes = [int(c) for c in rng.integers(64, 2048, size=rng.integers(1, 64))] if kind else []
+        shape = StepShape(prefill, decodes, len(decodes) + int(rng.random() < 0.5) * len(prefill))
+        samples.append(Sample("x", shape, step_time(LinearCostModel(truth), shape)))
+    fitted = fit_linear(samples)
+    for k in LINEAR_FEATURES:
+        assert fitted[k] == pytest.approx(truth[k], rel=0.02), k
+
+
+# ---- simulations -----------------------------------------------------------------------------
+def _long_and_short(n_short: int = 20) -> tuple[list[BenchRequest], list[float]]:
+    # Short requests are decoding when one 4096-token prompt arrives.
+    requests = length_requests([32] * n_short + [4096], [2] * n_short + [2])
+    return requests, [0.0] * n_short + [0.001]
+
+
+def test_no_chunk_tpot_p99_is_the_long_prefill_step(a100_8b):
+    requests, arrivals = _long_and_short()
+    config = SimConfig(max_model_len=8192, num_kv_blocks=4000)
+    base = summarize(simulate(SweepPoint("none", "prefill-first"), config, a100_8b, requests,
+                              arrivals), [99], None)
+    chunked = summarize(simulate(SweepPoint(512, "decode-first"), config, a100_8b, requests,
+                                 arrivals), [99], None)
+    long_step = step_time(a100_8b, StepShape(prefill=[(4096, 0)], num_sampled=1))
+    assert base["p99_tpot_ms"] == pytest.approx(long_step * 1000, rel=0.1)
+    assert chunked["p99_tpot_ms"] * 5 < base["p99_tpot_ms"]
+
+
+def test_simulation_is_deterministic(tmp_path):
+    def run(out: str) -> list:
+        r = subprocess.run(
+            [sys.executable, "-m", "chunkserve.cli", "sim", "--hardware", "a100-80gb",
+             "--model", "llama-3-8b", "--dataset-name", "mixed", "--num-prompts", "300",
+             "--request-rate", "4", "--chunk-sizes", "none,512", "--seed", "3", "--out", out],
+            capture_output=True, text=True, timeout=300,
+        )
+        assert r.returncode == 0, r.stderr
+        return json.loads((tmp_path / out / "results.json").read_text())
+
+    first = run(str(tmp_path / "a"))
+    assert first == run(str(tmp_path / "b"))
+    assert [e["chunk_size"] for e in first] == ["none", 512]
+    assert all(e["simulated"] and e["completed"] == 300 for e in first)
+    for png in ("latency_vs_chunk.png", "tpot_cdf.png", "step_timeline.png"):
+        assert (tmp_path / "a" / png).exists()
