@@ -149,7 +149,8 @@ def test_model_from_hf_config(tmp_path):
 
 # ---- calibration --------------------------------------------------------------------------------
 def test_calibration_recovers_known_coefficients():
-    truth = {"step": 0.020, "request": 0.0004, "token": 0.0006, "prefill_attention": 2e-8,
+    truth = {"step": 0.020, "request": 0.0004, "token": 0.0006, "small_gemm": 0.0003,
+             "prefill_attention": 2e-8,
              "decode_context": 1.5e-6, "sampled": 0.0005, "mixed": 3e-7}
     rng = np.random.default_rng(0)
     samples = []

@@ -158,28 +158,51 @@ def _timeline_runs(runs: Sequence[RunResult]) -> list[RunResult]:
     return picks or list(runs[:1])
 
 
+def _window(runs: Sequence[RunResult]) -> tuple[float, float]:
+    """A time window around the longest step of the first run, shared by every panel.
+
+    Runs replay the same arrivals, so the same window shows the same requests; a whole run is
+    too long for individual steps to be visible.
+    """
+    recs = [r for r in runs[0].records if r.num_tokens > 0]
+    if not recs:
+        return 0.0, 1.0
+    t0 = recs[0].start
+    longest = max(recs, key=lambda r: r.duration)
+    width = 12 * longest.duration
+    start = max(0.0, longest.start - t0 - width / 3)
+    return start, start + width
+
+
 def _plot_timeline(out_dir: str, runs: Sequence[RunResult]) -> str:
     picks = _timeline_runs(runs)
+    lo, hi = _window(picks) if picks else (0.0, 1.0)
+    top = max((r.duration for run in picks for r in run.records), default=1.0) * 1000 * 1.1
     fig, axes = plt.subplots(len(picks), 1, figsize=(11, 3.2 * len(picks)), squeeze=False)
     for ax, run in zip(axes[:, 0], picks):
         recs = [r for r in run.records if r.num_tokens > 0]
         if not recs:
             continue
         t0 = recs[0].start
+        recs = [r for r in recs if lo <= r.start - t0 <= hi]
         starts = np.array([r.start - t0 for r in recs])
         widths = np.array([r.duration for r in recs])
         prefill = np.array([r.num_prefill_tokens for r in recs])
         decode = np.array([r.num_decode_tokens for r in recs])
-        ax.bar(starts, prefill, width=widths, align="edge", color="tab:orange", label="prefill tokens")
+        ax.bar(starts, prefill, width=widths, align="edge", color="tab:orange", alpha=0.6,
+               label="prefill tokens")
         ax.bar(starts, decode, width=widths, bottom=prefill, align="edge", color="tab:blue",
-               label="decode tokens")
+               alpha=0.6, label="decode tokens")
         ax.set_ylabel("tokens in step")
-        ax.set_xlabel("time (s)")
+        ax.set_xlabel("time since the first step (s)")
+        ax.set_xlim(lo, hi)
         twin = ax.twinx()
-        twin.plot(starts + widths, widths * 1000, color="black", lw=0.8, label="step duration")
+        twin.step(starts + widths, widths * 1000, where="pre", color="black", lw=0.9,
+                  label="step duration")
+        twin.set_ylim(0, top)  # one scale for every panel: stalls compare at a glance
         twin.set_ylabel("step duration (ms)")
-        ax.set_title(f"Step timeline, chunk size {run.point.chunk_size} ({run.point.scheduler}): "
-                     "each bar is one step, as wide as it took")
+        ax.set_title(f"chunk size {run.point.chunk_size} ({run.point.scheduler}): each bar is one "
+                     "step, as wide as it took; decodes wait for the whole step")
         ax.legend(loc="upper left", fontsize=8)
         twin.legend(loc="upper right", fontsize=8)
     fig.tight_layout()

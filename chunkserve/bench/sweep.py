@@ -83,8 +83,12 @@ def replay(
     requests: Sequence[BenchRequest],
     arrivals: Sequence[float],
     clock: Callable[[], float] = time.monotonic,
+    on_step: Callable[[LLMEngine], None] | None = None,
 ) -> tuple[list[RequestResult], float]:
-    """Feeds requests at their arrival offsets, steps the engine, returns results + duration."""
+    """Feeds requests at their arrival offsets, steps the engine, returns results + duration.
+
+    `on_step(engine)` runs after every step (calibration reads the step's shape there).
+    """
     order = sorted(range(len(requests)), key=lambda i: arrivals[i])
     results: dict[str, RequestResult] = {}
     start = clock()
@@ -101,6 +105,8 @@ def replay(
             for out in engine.step():
                 if out.finished:
                     results[out.request_id] = result_from_output(out, start)
+            if on_step is not None:
+                on_step(engine)
         elif nxt < len(order):
             time.sleep(max(0.0, start + arrivals[order[nxt]] - clock()))
     duration = clock() - start

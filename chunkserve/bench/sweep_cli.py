@@ -6,6 +6,7 @@ import os
 import shlex
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from chunkserve.bench.report import plot_all, table_markdown, write_results, write_table
@@ -97,8 +98,7 @@ def run_sweep(args: argparse.Namespace) -> int:
     from chunkserve.model.factory import load_model
 
     sizes = parse_chunk_sizes(args.chunk_sizes)
-    percentiles = [float(p) for p in args.percentiles.split(",")]
-    goodput = parse_goodput(args.goodput)
+    parse_goodput(args.goodput)  # fail on a bad flag before loading anything
     points = sweep_points(sizes, args.scheduler, args.baseline)
     loaded = load_model(args.model, args.dtype, args.max_model_len)
     requests = workload_from_args(args, loaded.tokenizer)
@@ -119,15 +119,37 @@ def run_sweep(args: argparse.Namespace) -> int:
         print(f"measured capacity {capacity:.3f} req/s; --load {args.load} -> {rate:.3f} req/s")
     rate = float("inf") if rate is None else rate
     arrivals = arrival_times(len(requests), rate, args.burstiness, args.seed)
+    extra = {"request_rate": rate if rate != float("inf") else "inf",
+             "num_prompts": len(requests), "dataset_name": args.dataset_name}
+    command = "chunkserve bench sweep " + " ".join(shlex.quote(a) for a in sys.argv[3:])
+    title = f"Chunk-size sweep: {args.model}, {args.dataset_name}, {len(requests)} requests"
+    return sweep_and_report(
+        points, lambda p: run_point(loaded, p, requests, arrivals, engine_kwargs), extra, args,
+        title, command,
+    )
 
+
+def sweep_and_report(
+    points: list[SweepPoint],
+    run_one: Callable[[SweepPoint], RunResult],
+    extra: dict[str, Any],
+    args: argparse.Namespace,
+    title: str,
+    command: str,
+) -> int:
+    """Runs every configuration, then writes results.json, table.md and the plots to --out.
+
+    Shared by the real sweep and the simulator so that both report in one format.
+    """
+    percentiles = [float(p) for p in args.percentiles.split(",")]
+    goodput = parse_goodput(args.goodput)
     os.makedirs(args.out, exist_ok=True)
     entries: list[dict[str, Any]] = []
     runs: list[RunResult] = []
     for point in points:
         t0 = time.monotonic()
-        run = run_point(loaded, point, requests, arrivals, engine_kwargs)
-        run.extra = {"request_rate": rate if rate != float("inf") else "inf",
-                     "num_prompts": len(requests), "dataset_name": args.dataset_name}
+        run = run_one(point)
+        run.extra = dict(extra)
         entry = summarize(run, percentiles, goodput)
         entries.append(entry)
         runs.append(run)
@@ -135,12 +157,10 @@ def run_sweep(args: argparse.Namespace) -> int:
             f"chunk_size={point.chunk_size!s:>5} {point.scheduler:<13} "
             f"TTFT p50 {entry['median_ttft_ms']:8.0f} ms  TPOT p99 {entry['p99_tpot_ms']:7.1f} ms  "
             f"ITL p99 {entry['p99_itl_ms']:7.1f} ms  max gap {entry['max_itl_ms']:7.0f} ms  "
-            f"({time.monotonic() - t0:.0f} s)",
+            f"({time.monotonic() - t0:.1f} s)",
             flush=True,
         )
         write_results(args.out, entries)  # after every point: a long sweep keeps what it did
-    command = "chunkserve bench sweep " + " ".join(shlex.quote(a) for a in sys.argv[3:])
-    title = f"Chunk-size sweep: {args.model}, {args.dataset_name}, {len(requests)} requests"
     write_table(args.out, entries, title, command)
     plot_all(args.out, entries, runs)
     print(table_markdown(entries, title, command))

@@ -72,14 +72,16 @@ class Scenario:
 
 
 def default_grid(quick: bool = False) -> list[Scenario]:
-    prefill = [Scenario("prefill", [2048], 1, c) for c in (32, 128, 512, 2048)]
+    # Whole prompts (one step each) and chunked ones (cached context grows chunk by chunk).
+    prefill = [Scenario("prefill", [n], 1, n) for n in (64, 256, 1024, 4096)]
+    prefill += [Scenario("prefill", [2048], 1, c) for c in (32, 128, 512)]
     decode = [
         Scenario("decode", [ctx] * b, 9, b * ctx)
         for b, ctx in ((1, 256), (1, 2048), (8, 512), (16, 1024), (32, 256), (32, 512), (64, 128))
     ]
     mixed = [Scenario("mixed", [192] * 8 + [1536], 24, c) for c in (64, 256, 1024)]
     if quick:
-        return [prefill[1], decode[2], decode[4], mixed[1]]
+        return [prefill[1], prefill[5], decode[2], decode[4], mixed[1]]
     return prefill + decode + mixed
 
 
@@ -94,25 +96,59 @@ def measure(loaded: Any, scenarios: Sequence[Scenario], block_size: int = 16) ->
             block_size=block_size, max_num_seqs=max(256, len(sc.prompts)),
         )
         engine.trace.keep_all()
+        # A throwaway request first: an engine's first step pays one-off allocation costs.
+        engine.add_request("warmup", [1, 2, 3], SamplingParams(max_tokens=1))
+        while engine.has_unfinished_requests():
+            engine.step()
         params = SamplingParams(max_tokens=sc.max_tokens, temperature=0.0, ignore_eos=True)
         for i, n in enumerate(sc.prompts):
             # The mixed family's last prompt arrives once the others are decoding.
             if sc.family == "mixed" and i == len(sc.prompts) - 1:
                 for _ in range(3):
                     engine.step()
+                    _record(engine, sc.family, samples)
             engine.add_request(None, [100 + (7 * j + i) % 30000 for j in range(n)], params)
-        first = True
         while engine.has_unfinished_requests():
             engine.step()
-            shape = StepShape.from_scheduled(engine.last_scheduled)
-            record = engine.trace.records[-1]
-            if first:  # the first step of an engine pays one-off allocation costs
-                first = False
-                continue
-            if shape.num_tokens:
-                family = sc.family if sc.family != "mixed" or shape.is_mixed else (
-                    "decode" if not shape.prefill else "prefill")
-                samples.append(Sample(family, shape, record.duration))
+            _record(engine, sc.family, samples)
+    return samples
+
+
+def _record(engine: Any, family: str, samples: list[Sample]) -> None:
+    shape = StepShape.from_scheduled(engine.last_scheduled)
+    if not shape.num_tokens:
+        return
+    if family == "mixed" and not shape.is_mixed:  # the decode steps around the mixed ones
+        family = "prefill" if shape.prefill and not shape.decode_contexts else "decode"
+    samples.append(Sample(family, shape, engine.trace.records[-1].duration))
+
+
+def measure_workload(loaded: Any, budgets: Sequence[int], num_prompts: int = 24,
+                     rate: float = 1.5, seed: int = 1234) -> list[Sample]:
+    """Steps of a short mixed workload replayed in real time, at each budget.
+
+    The grid's clean, isolated steps miss what a live run adds: KV blocks scattered by request
+    churn, short prefills mixed into decode batches, colder caches. Fitting on these too keeps
+    the model honest for the steps a simulated workload is made of.
+    """
+    from chunkserve.bench.sweep import replay
+    from chunkserve.bench.workloads import arrival_times, sample_requests
+    from chunkserve.engine.llm_engine import LLMEngine
+
+    requests = sample_requests("mixed", loaded.tokenizer, num_prompts, seed,
+                               long_input_range=(1024, 2048))
+    arrivals = arrival_times(num_prompts, rate, 1.0, seed)
+    samples: list[Sample] = []
+
+    def on_step(engine: LLMEngine) -> None:
+        shape = StepShape.from_scheduled(engine.last_scheduled)
+        if shape.num_tokens:
+            samples.append(Sample("workload", shape, engine.trace.records[-1].duration))
+
+    for budget in budgets:
+        engine = LLMEngine.from_kwargs(loaded=loaded, model=loaded.path,
+                                       max_num_batched_tokens=budget)
+        replay(engine, requests, arrivals, on_step=on_step)
     return samples
 
 
@@ -122,8 +158,10 @@ def profile(model: str, dtype: str, quick: bool = False, block_size: int = 16) -
     from chunkserve.model.factory import load_model
 
     t0 = time.monotonic()
-    loaded = load_model(model, dtype, max_model_len=4096)
+    loaded = load_model(model, dtype)
     samples = measure(loaded, default_grid(quick), block_size)
+    samples += measure_workload(loaded, [256] if quick else [128, 1024, 4096],
+                                num_prompts=8 if quick else 16)
     coefficients = fit_linear(samples)
     block_bytes = kv_bytes_per_block(loaded.model, block_size)
     return {

@@ -5,12 +5,10 @@ import argparse
 import os
 import shlex
 import sys
-import time
 from typing import Any
 
-from chunkserve.bench.report import plot_all, table_markdown, write_results, write_table
-from chunkserve.bench.sweep import RunResult, parse_chunk_sizes, summarize, sweep_points
-from chunkserve.bench.sweep_cli import _pair, add_workload_args, parse_goodput
+from chunkserve.bench.sweep import parse_chunk_sizes, sweep_points
+from chunkserve.bench.sweep_cli import _pair, add_workload_args, sweep_and_report
 from chunkserve.bench.workloads import arrival_times, sample_lengths
 from chunkserve.config import DTYPES
 from chunkserve.sim.cost_model import (
@@ -37,6 +35,9 @@ def add_sim_args(p: argparse.ArgumentParser) -> None:
                    help="fused: prefill+decode in one call (mixed-batch penalty); split: two "
                         "calls; pod: POD-Attention-style overlap")
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--validate", action="store_true",
+                   help="also run the real engine on the same workload (needs --hardware to be "
+                        "a profile of this machine) and report the simulator's relative errors")
     add_workload_args(p)
 
 
@@ -56,6 +57,10 @@ def build_cost_model(args: argparse.Namespace) -> tuple[CostModel, int, int]:
 
 
 def run_sim(args: argparse.Namespace) -> int:
+    if args.validate:
+        from chunkserve.sim.validate import run_validation
+
+        return run_validation(args)
     if args.dataset_name == "file":
         raise ValueError("the simulator needs lengths only: use random, mixed or sharegpt-like")
     cost, blocks, max_len = build_cost_model(args)
@@ -81,32 +86,16 @@ def run_sim(args: argparse.Namespace) -> int:
         print(f"simulated capacity -> --load {args.load} = {rate:.3f} req/s")
     rate = float("inf") if rate is None else rate
     arrivals = arrival_times(len(requests), rate, args.burstiness, args.seed)
-    percentiles = [float(p) for p in args.percentiles.split(",")]
-    goodput = parse_goodput(args.goodput)
-
-    os.makedirs(args.out, exist_ok=True)
-    entries: list[dict[str, Any]] = []
-    runs: list[RunResult] = []
-    for point in points:
-        t0 = time.monotonic()
-        run = simulate(point, config, cost, requests, arrivals)
-        run.extra = {"request_rate": rate if rate != float("inf") else "inf",
-                     "num_prompts": len(requests), "dataset_name": args.dataset_name,
-                     "simulated": True, "hardware": args.hardware, "model": args.model}
-        entry = summarize(run, percentiles, goodput)
-        entries.append(entry)
-        runs.append(run)
-        print(f"chunk_size={point.chunk_size!s:>5} TTFT p50 {entry['median_ttft_ms']:9.1f} ms  "
-              f"TPOT p99 {entry['p99_tpot_ms']:8.1f} ms  ITL p99 {entry['p99_itl_ms']:8.1f} ms  "
-              f"({time.monotonic() - t0:.1f} s to simulate)", flush=True)
+    extra = {"request_rate": rate if rate != float("inf") else "inf",
+             "num_prompts": len(requests), "dataset_name": args.dataset_name,
+             "simulated": True, "hardware": args.hardware, "model": args.model}
     command = "chunkserve sim " + " ".join(shlex.quote(a) for a in sys.argv[2:])
     title = (f"Simulated chunk-size sweep: {args.model} on {args.hardware}, {args.dataset_name}, "
              f"{len(requests)} requests")
-    write_results(args.out, entries)
-    write_table(args.out, entries, title, command)
-    plot_all(args.out, entries, runs)
-    print(table_markdown(entries, title, command))
-    return 0
+    return sweep_and_report(
+        points, lambda p: simulate(p, config, cost, requests, arrivals), extra, args, title,
+        command,
+    )
 
 
 def simulated_capacity(points: list[Any], config: SimConfig, cost: CostModel,

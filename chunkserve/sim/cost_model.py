@@ -161,8 +161,12 @@ class RooflineCostModel:
 
 # The features of a calibrated model, in the order calibration fits them.
 LINEAR_FEATURES = (
-    "step", "request", "token", "prefill_attention", "decode_context", "sampled", "mixed",
+    "step", "request", "token", "small_gemm", "prefill_attention", "decode_context", "sampled",
+    "mixed",
 )
+# GEMMs of few rows run below peak efficiency: the first SMALL_GEMM_ROWS tokens of a step each
+# pay an extra `small_gemm` cost (a piecewise-linear stand-in for the roofline's eff(T)).
+SMALL_GEMM_ROWS = 256
 
 
 def linear_features(shape: StepShape) -> dict[str, float]:
@@ -172,6 +176,7 @@ def linear_features(shape: StepShape) -> dict[str, float]:
         "step": 1.0,
         "request": float(shape.num_requests),
         "token": float(shape.num_tokens),
+        "small_gemm": float(min(shape.num_tokens, SMALL_GEMM_ROWS)),
         "prefill_attention": shape.prefill_attention_work,
         "decode_context": float(shape.decode_context),
         "sampled": float(shape.num_sampled),
