@@ -150,13 +150,14 @@ def test_model_from_hf_config(tmp_path):
 # ---- calibration --------------------------------------------------------------------------------
 def test_calibration_recovers_known_coefficients():
     truth = {"step": 0.020, "request": 0.0004, "token": 0.0006, "small_gemm": 0.0003,
-             "prefill_attention": 2e-8,
+             "prefill_attention": 2e-8, "chunk_attention": 3e-8,
              "decode_context": 1.5e-6, "sampled": 0.0005, "mixed": 3e-7}
     rng = np.random.default_rng(0)
     samples = []
     for _ in range(300):
         kind = rng.integers(3)
-        prefill = [(int(rng.integers(16, 2048)), int(rng.integers(0, 3000)))] if kind != 1 else []
+        cached = int(rng.integers(0, 3000)) if rng.random() < 0.5 else 0  # whole or a chunk
+        prefill = [(int(rng.integers(16, 2048)), cached)] if kind != 1 else []
         decodes = [int(c) for c in rng.integers(64, 2048, size=rng.integers(1, 64))] if kind else []
         shape = StepShape(prefill, decodes, len(decodes) + int(rng.random() < 0.5) * len(prefill))
         samples.append(Sample("x", shape, step_time(LinearCostModel(truth), shape)))

@@ -35,7 +35,12 @@ def fit_linear(samples: Sequence[Sample]) -> dict[str, float]:
     """
     X = np.array([[linear_features(s.shape)[k] for k in LINEAR_FEATURES] for s in samples])
     y = np.array([s.duration for s in samples])
-    w = 1.0 / y
+    # Each family weighs the same in total, so a thousand live-workload steps cannot drown the
+    # few whole long prefills that decide a no-chunk run's tail.
+    counts: dict[str, int] = {}
+    for s in samples:
+        counts[s.family] = counts.get(s.family, 0) + 1
+    w = np.array([1.0 / (s.duration * np.sqrt(counts[s.family])) for s in samples])
     active = [j for j in range(len(LINEAR_FEATURES)) if X[:, j].any()]
     coef = np.zeros(len(LINEAR_FEATURES))
     while active:

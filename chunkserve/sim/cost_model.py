@@ -161,8 +161,8 @@ class RooflineCostModel:
 
 # The features of a calibrated model, in the order calibration fits them.
 LINEAR_FEATURES = (
-    "step", "request", "token", "small_gemm", "prefill_attention", "decode_context", "sampled",
-    "mixed",
+    "step", "request", "token", "small_gemm", "prefill_attention", "chunk_attention",
+    "decode_context", "sampled", "mixed",
 )
 # GEMMs of few rows run below peak efficiency: the first SMALL_GEMM_ROWS tokens of a step each
 # pay an extra `small_gemm` cost (a piecewise-linear stand-in for the roofline's eff(T)).
@@ -177,7 +177,12 @@ def linear_features(shape: StepShape) -> dict[str, float]:
         "request": float(shape.num_requests),
         "token": float(shape.num_tokens),
         "small_gemm": float(min(shape.num_tokens, SMALL_GEMM_ROWS)),
-        "prefill_attention": shape.prefill_attention_work,
+        # A chunk after cached context needs an explicit mask (the CPU's fused kernel is slower
+        # that way than with is_causal), so the two kinds of prefill get separate coefficients.
+        "prefill_attention": StepShape(prefill=[p for p in shape.prefill if p[1] == 0])
+        .prefill_attention_work,
+        "chunk_attention": StepShape(prefill=[p for p in shape.prefill if p[1] > 0])
+        .prefill_attention_work,
         "decode_context": float(shape.decode_context),
         "sampled": float(shape.num_sampled),
         # Mixed steps' extra attention cost, if the backend has any.
