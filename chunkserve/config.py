@@ -14,6 +14,7 @@ SCHEDULERS = CHUNKED_SCHEDULERS + NO_CHUNK_SCHEDULERS
 PREEMPTION_MODES = ("recompute", "swap")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 DTYPES = ("auto", "float32", "bfloat16")
+DEVICES = ("auto", "cpu", "cuda")
 
 # vLLM's server default budget; also the article's "balanced" setting.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
@@ -26,8 +27,11 @@ class ModelConfig:
     max_model_len: int | None = None  # None: the model's own context length
     seed: int = 0
     served_model_name: str | None = None
+    device: str = "auto"  # auto: cuda when torch sees a GPU, else cpu
 
     def verify(self) -> None:
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}.")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}.")
         if self.max_model_len is not None and self.max_model_len < 2:

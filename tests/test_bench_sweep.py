@@ -39,8 +39,8 @@ def test_sweep_end_to_end(tiny_model_dir, tmp_path):
     r = subprocess.run(
         [sys.executable, "-m", "chunkserve.cli", "bench", "sweep", "--model", tiny_model_dir,
          "--dtype", "float32", "--max-model-len", "512", "--num-prompts", "8",
-         "--mixed-long-range", "200,300", "--mixed-short-range", "16,48",
-         "--mixed-output-range", "6,10", "--mixed-long-fraction", "0.25",
+         "--mixed-long-input-range", "200:300", "--mixed-short-input-range", "16:48",
+         "--mixed-output-range", "6:10", "--mixed-long-fraction", "0.25",
          "--request-rate", "50", "--chunk-sizes", "none,32", "--goodput", "ttft:5000",
          "--out", str(out)],
         capture_output=True, text=True, timeout=300,

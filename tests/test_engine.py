@@ -234,3 +234,17 @@ def test_logprobs_and_streaming_deltas(tiny):
     for token, entries in zip(c.token_ids, c.logprobs):
         assert entries[0][0] == token and len(entries) == 3
         assert entries[0][1] == pytest.approx(max(lp for _, lp in entries[1:]))  # greedy = top-1
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_without_a_gpu_is_a_clear_error(tiny_model_dir):
+    with pytest.raises(ValueError, match="sees no CUDA GPU"):
+        LLMEngine.from_kwargs(model=tiny_model_dir, device="cuda")
+    with pytest.raises(ValueError, match="device must be one of"):
+        LLMEngine.from_kwargs(model=tiny_model_dir, device="tpu")
+
+
+def test_explicit_cpu_device(tiny):
+    llm = make_llm(tiny)
+    assert llm.engine.runner.kv_cache.device.type == "cpu"
+    assert tiny.model.device.type == "cpu"

@@ -30,7 +30,7 @@ _BACKENDS = {"openai": "/v1/completions", "vllm": "/v1/completions",
 _SYNTHETIC = ("random", "mixed", "sharegpt-like")
 
 
-def _int_pair(text: str) -> tuple[int, int]:
+def int_pair(text: str) -> tuple[int, int]:
     lo, _, hi = text.partition(":")
     try:
         pair = (int(lo), int(hi))
@@ -67,11 +67,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     data.add_argument("--random-range-ratio", type=float, default=0.0)
     data.add_argument("--mixed-long-fraction", type=float, default=0.1,
                       help="share of long prompts in the mixed workload")
-    data.add_argument("--mixed-long-input-range", type=_int_pair, default=(2048, 4096),
+    data.add_argument("--mixed-long-input-range", type=int_pair, default=(2048, 4096),
                       metavar="LOW:HIGH")
-    data.add_argument("--mixed-short-input-range", type=_int_pair, default=(32, 256),
+    data.add_argument("--mixed-short-input-range", type=int_pair, default=(32, 256),
                       metavar="LOW:HIGH")
-    data.add_argument("--mixed-output-range", type=_int_pair, default=(32, 128), metavar="LOW:HIGH")
+    data.add_argument("--mixed-output-range", type=int_pair, default=(32, 128), metavar="LOW:HIGH")
 
     load = p.add_argument_group("traffic")
     load.add_argument("--request-rate", type=float, default=math.inf,

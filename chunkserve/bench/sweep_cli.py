@@ -19,6 +19,7 @@ from chunkserve.bench.sweep import (
     summarize,
     sweep_points,
 )
+from chunkserve.bench.serve_bench import int_pair
 from chunkserve.bench.workloads import arrival_times, sample_requests
 from chunkserve.config import CHUNKED_SCHEDULERS, DTYPES, NO_CHUNK_SCHEDULERS
 
@@ -32,9 +33,12 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--random-output-len", type=int, default=128)
     p.add_argument("--random-range-ratio", type=float, default=0.0)
     p.add_argument("--mixed-long-fraction", type=float, default=0.1)
-    p.add_argument("--mixed-long-range", default="2048,4096", help="min,max long prompt tokens")
-    p.add_argument("--mixed-short-range", default="32,256", help="min,max short prompt tokens")
-    p.add_argument("--mixed-output-range", default="32,128", help="min,max output tokens")
+    # Same names and LOW:HIGH syntax as `bench serve`, so one workload reads the same everywhere.
+    p.add_argument("--mixed-long-input-range", type=int_pair, default=(2048, 4096),
+                   metavar="LOW:HIGH")
+    p.add_argument("--mixed-short-input-range", type=int_pair, default=(32, 256),
+                   metavar="LOW:HIGH")
+    p.add_argument("--mixed-output-range", type=int_pair, default=(32, 128), metavar="LOW:HIGH")
     p.add_argument("--seed", type=int, default=0)
     rate = p.add_mutually_exclusive_group()
     rate.add_argument("--request-rate", type=float, default=None, help="req/s; inf = all at once")
@@ -60,14 +64,14 @@ def add_sweep_args(p: argparse.ArgumentParser) -> None:
     add_workload_args(p)
 
 
-def _pair(text: str, flag: str) -> tuple[int, int]:
-    try:
-        lo, hi = (int(v) for v in text.split(","))
-    except ValueError:
-        raise ValueError(f"{flag}: expected 'min,max', got {text!r}") from None
-    if not 0 < lo <= hi:
-        raise ValueError(f"{flag}: need 0 < min <= max, got {text!r}")
-    return lo, hi
+def check_workload_args(args: argparse.Namespace) -> None:
+    """Fails on bad flags before anything slow (model loading, capacity probes) starts."""
+    parse_chunk_sizes(args.chunk_sizes)
+    parse_goodput(args.goodput)
+    if args.load is not None and not args.load > 0:
+        raise ValueError(f"--load must be a positive fraction of capacity, got {args.load}")
+    if args.num_prompts < 1:
+        raise ValueError(f"--num-prompts must be at least 1, got {args.num_prompts}")
 
 
 def parse_goodput(items: list[str] | None) -> dict[str, float] | None:
@@ -87,9 +91,8 @@ def workload_from_args(args: argparse.Namespace, tokenizer: Any) -> list[Any]:
         args.dataset_name, tokenizer, args.num_prompts, args.seed,
         random_input_len=args.random_input_len, random_output_len=args.random_output_len,
         random_range_ratio=args.random_range_ratio, long_fraction=args.mixed_long_fraction,
-        long_input_range=_pair(args.mixed_long_range, "--mixed-long-range"),
-        short_input_range=_pair(args.mixed_short_range, "--mixed-short-range"),
-        output_range=_pair(args.mixed_output_range, "--mixed-output-range"),
+        long_input_range=args.mixed_long_input_range,
+        short_input_range=args.mixed_short_input_range, output_range=args.mixed_output_range,
         dataset_path=args.dataset_path,
     )
 
@@ -97,8 +100,8 @@ def workload_from_args(args: argparse.Namespace, tokenizer: Any) -> list[Any]:
 def run_sweep(args: argparse.Namespace) -> int:
     from chunkserve.model.factory import load_model
 
+    check_workload_args(args)
     sizes = parse_chunk_sizes(args.chunk_sizes)
-    parse_goodput(args.goodput)  # fail on a bad flag before loading anything
     points = sweep_points(sizes, args.scheduler, args.baseline)
     loaded = load_model(args.model, args.dtype, args.max_model_len)
     requests = workload_from_args(args, loaded.tokenizer)

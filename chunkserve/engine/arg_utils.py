@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from chunkserve.config import DTYPES, PREEMPTION_MODES, SCHEDULERS, SCHEDULING_POLICIES, EngineConfig
+from chunkserve.config import DEVICES, DTYPES, PREEMPTION_MODES, SCHEDULERS, SCHEDULING_POLICIES, EngineConfig
 
 
 def add_engine_args(p: argparse.ArgumentParser, model_flag: bool = True) -> None:
@@ -14,6 +14,8 @@ def add_engine_args(p: argparse.ArgumentParser, model_flag: bool = True) -> None
     p.add_argument("--dtype", choices=DTYPES, default="auto",
                    help="auto: bfloat16 on CPUs with AVX512_BF16, else float32")
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--device", choices=DEVICES, default="auto",
+                   help="auto: cuda when torch sees a GPU (untested here: no GPU), else cpu")
     p.add_argument("--seed", type=int, default=0)
     g = p.add_argument_group("scheduling")
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None)
@@ -34,7 +36,7 @@ def add_engine_args(p: argparse.ArgumentParser, model_flag: bool = True) -> None
 
 
 ENGINE_KEYS = (
-    "model", "dtype", "max_model_len", "seed", "enable_chunked_prefill",
+    "model", "dtype", "device", "max_model_len", "seed", "enable_chunked_prefill",
     "max_num_batched_tokens", "max_num_seqs", "scheduler", "long_prefill_token_threshold",
     "scheduling_policy", "block_size", "kv_cache_memory", "num_kv_blocks", "preemption_mode",
     "swap_space", "trace_file",

@@ -42,7 +42,7 @@ class LLMEngine:
         self.clock = clock
         mc, cc, sc = config.model_config, config.cache_config, config.scheduler_config
         if loaded is None:
-            loaded = load_model(mc.model, mc.dtype, mc.max_model_len)
+            loaded = load_model(mc.model, mc.dtype, mc.max_model_len, mc.device)
         elif mc.max_model_len is not None and mc.max_model_len > loaded.max_model_len:
             raise ValueError(
                 f"max_model_len ({mc.max_model_len}) exceeds the shared model's "

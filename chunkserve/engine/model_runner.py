@@ -37,10 +37,16 @@ class ModelRunner:
         self.block_size = block_size
         shape = (len(model.layers), 2, num_kv_blocks, block_size, model.num_kv_heads, model.head_dim)
         # torch.empty leaves pages untouched until written: a large pool costs nothing up front.
-        self.kv_cache = torch.empty(shape, dtype=model.kv_dtype)
+        self.device = model.device
+        self.kv_cache = torch.empty(shape, dtype=model.kv_dtype, device=self.device)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(shape[0])]
         swap_shape = (shape[0], 2, num_swap_blocks) + shape[3:]
-        self.swap_cache = torch.empty(swap_shape, dtype=model.kv_dtype) if num_swap_blocks else None
+        # The swap pool is host memory whatever the device (pinned on CUDA for fast copies).
+        pin = self.device.type == "cuda"
+        self.swap_cache = (
+            torch.empty(swap_shape, dtype=model.kv_dtype, pin_memory=pin)
+            if num_swap_blocks else None
+        )
         self.sampler = Sampler()
         self.eos_token_ids = list(eos_token_ids or [])
         self._generators: dict[str, torch.Generator] = {}
@@ -69,15 +75,16 @@ class ModelRunner:
             positions += pos
             slots += [table[p // bs] * bs + p % bs for p in pos]
             ctx = start + n
-            mask = causal_mask(start, n) if n > 1 and start > 0 else None
+            mask = causal_mask(start, n, self.device) if n > 1 and start > 0 else None
             seqs.append(SeqSpan(q_start, n, ctx, block_runs(table, -(-ctx // bs)), mask))
             if sr.samples:
                 sample_rows.append(q_start + n - 1)
 
-        meta = AttentionMetadata(torch.tensor(slots, dtype=torch.long), seqs)
+        dev = self.device
+        meta = AttentionMetadata(torch.tensor(slots, dtype=torch.long, device=dev), seqs)
         hidden = self.model.forward(
-            torch.tensor(token_ids, dtype=torch.long),
-            torch.tensor(positions, dtype=torch.long),
+            torch.tensor(token_ids, dtype=torch.long, device=dev),
+            torch.tensor(positions, dtype=torch.long, device=dev),
             self.kv_caches,
             meta,
         )
@@ -110,7 +117,7 @@ class ModelRunner:
         # Out before in: a block freed by a swap-out may be the target of a swap-in.
         if out.blocks_to_swap_out:
             dev, host = zip(*out.blocks_to_swap_out)
-            self.swap_cache[:, :, list(host)] = self.kv_cache[:, :, list(dev)]
+            self.swap_cache[:, :, list(host)] = self.kv_cache[:, :, list(dev)].cpu()
         if out.blocks_to_swap_in:
             host, dev = zip(*out.blocks_to_swap_in)
-            self.kv_cache[:, :, list(dev)] = self.swap_cache[:, :, list(host)]
+            self.kv_cache[:, :, list(dev)] = self.swap_cache[:, :, list(host)].to(self.device)

@@ -43,10 +43,10 @@ def block_runs(block_table: list[int], num_blocks: int) -> list[tuple[int, int]]
     return runs
 
 
-def causal_mask(start: int, q_len: int) -> torch.Tensor:
+def causal_mask(start: int, q_len: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """Query i (position start+i) sees keys 0..start+i: causal aligned to the bottom right."""
-    q_pos = torch.arange(start, start + q_len).unsqueeze(1)
-    return torch.arange(start + q_len).unsqueeze(0) <= q_pos
+    q_pos = torch.arange(start, start + q_len, device=device).unsqueeze(1)
+    return torch.arange(start + q_len, device=device).unsqueeze(0) <= q_pos
 
 
 class AttentionBackend(Protocol):

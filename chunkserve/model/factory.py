@@ -30,10 +30,22 @@ def cpu_has_avx512_bf16() -> bool:
         return False
 
 
-def resolve_dtype(name: str) -> torch.dtype:
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was asked for, but this torch build sees no CUDA GPU")
+    if name not in ("cpu", "cuda"):
+        raise ValueError(f"device must be auto, cpu or cuda, got {name!r}")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device | None = None) -> torch.dtype:
     if name == "float32":
         return torch.float32
     if name == "bfloat16":
+        return torch.bfloat16
+    if name == "auto" and device is not None and device.type == "cuda":
         return torch.bfloat16
     if name == "auto":
         # Without native bf16 dot products a CPU emulates bf16 GEMMs slower than fp32 ones.
@@ -41,7 +53,9 @@ def resolve_dtype(name: str) -> torch.dtype:
     raise ValueError(f"dtype must be auto, float32 or bfloat16, got {name!r}")
 
 
-def load_model(name: str, dtype: str = "auto", max_model_len: int | None = None) -> LoadedModel:
+def load_model(
+    name: str, dtype: str = "auto", max_model_len: int | None = None, device: str = "auto"
+) -> LoadedModel:
     path = resolve_model_path(name)
     config, weights = load_weights(path)
     tokenizer = load_tokenizer(path)
@@ -52,5 +66,8 @@ def load_model(name: str, dtype: str = "auto", max_model_len: int | None = None)
         raise ValueError(
             f"max_model_len ({max_model_len}) is larger than the model's context length ({limit})."
         )
-    model = LlamaModel(config, weights, resolve_dtype(dtype), max_positions=max_model_len)
+    dev = resolve_device(device)
+    model = LlamaModel(
+        config, weights, resolve_dtype(dtype, dev), max_positions=max_model_len, device=dev
+    )
     return LoadedModel(path, config, model, tokenizer, max_model_len)

@@ -47,11 +47,18 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
 class RotaryEmbedding:
     """NeoX-style (rotate-half) RoPE over a precomputed cos/sin table indexed by position."""
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None):
+    def __init__(
+        self,
+        head_dim: int,
+        max_positions: int,
+        theta: float,
+        scaling: dict | None,
+        device: torch.device | str = "cpu",
+    ) -> None:
         inv_freq = rope_inv_freq(head_dim, theta, scaling)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-        self.cos = freqs.cos()  # [max_positions, head_dim / 2]
-        self.sin = freqs.sin()
+        self.cos = freqs.cos().to(device)  # [max_positions, head_dim / 2]
+        self.sin = freqs.sin().to(device)
         self.max_positions = max_positions
 
     def __call__(

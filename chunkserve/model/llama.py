@@ -37,12 +37,17 @@ class LlamaModel:
         dtype: torch.dtype = torch.float32,
         max_positions: int | None = None,
         attention: AttentionBackend | None = None,
+        device: torch.device | str = "cpu",
     ) -> None:
         self.cfg = cfg
+        self.device = torch.device(device)
         self.dtype = dtype  # of the linear layers' weights and inputs
-        # Attention and the KV cache stay in float32: on the CPU the fused attention kernel is
+        # On the CPU attention and the KV cache stay in float32: the fused attention kernel is
         # no faster in bfloat16 and its decode path is ~2x slower, while the linears gain ~4x.
-        self.kv_dtype = torch.float32
+        # On CUDA the KV cache takes the model dtype, as in every GPU engine.
+        self.kv_dtype = torch.float32 if self.device.type == "cpu" else dtype
+        if self.device.type != "cpu":
+            weights = {k: v.to(self.device) for k, v in weights.items()}
         self.embed = weights["model.embed_tokens.weight"].to(dtype)
         head = weights.get("lm_head.weight")
         self.lm_head = self.embed if head is None or cfg.tie_word_embeddings else head.to(dtype)
@@ -56,6 +61,7 @@ class LlamaModel:
             max_positions or cfg.max_position_embeddings,
             cfg.rope_theta,
             cfg.rope_scaling,
+            self.device,
         )
         self.attn = attention or TorchPagedAttention(self.num_heads, self.num_kv_heads, self.head_dim)
 
@@ -80,6 +86,7 @@ class LlamaModel:
             k = k.view(T, self.num_kv_heads, self.head_dim)
             v = v.view(T, self.num_kv_heads, self.head_dim).to(self.kv_dtype)
             q, k = self.rope(positions, q, k)  # float32 out
+            q, k = q.to(self.kv_dtype), k.to(self.kv_dtype)
             attn = self.attn.forward(q, k, v, k_cache, v_cache, meta)
             h = h + F.linear(attn.to(self.dtype), layer.o).float()
             x = rms_norm(h, layer.post_norm, eps)

@@ -175,6 +175,7 @@ def profile(model: str, dtype: str, quick: bool = False, block_size: int = 16) -
         "machine": platform.processor() or platform.machine(),
         "model": model,
         "dtype": str(loaded.model.dtype).removeprefix("torch."),
+        "device": str(loaded.model.device),
         "block_size": block_size,
         "num_kv_blocks": int(DEFAULT_KV_CACHE_GIB * (1 << 30) // block_bytes),
         "coefficients": coefficients,

@@ -8,7 +8,7 @@ import sys
 from typing import Any
 
 from chunkserve.bench.sweep import parse_chunk_sizes, sweep_points
-from chunkserve.bench.sweep_cli import _pair, add_workload_args, sweep_and_report
+from chunkserve.bench.sweep_cli import add_workload_args, check_workload_args, sweep_and_report
 from chunkserve.bench.workloads import arrival_times, sample_lengths
 from chunkserve.config import DTYPES
 from chunkserve.sim.cost_model import (
@@ -57,6 +57,7 @@ def build_cost_model(args: argparse.Namespace) -> tuple[CostModel, int, int]:
 
 
 def run_sim(args: argparse.Namespace) -> int:
+    check_workload_args(args)
     if args.validate:
         from chunkserve.sim.validate import run_validation
 
@@ -68,9 +69,8 @@ def run_sim(args: argparse.Namespace) -> int:
         args.dataset_name, args.num_prompts, args.seed,
         random_input_len=args.random_input_len, random_output_len=args.random_output_len,
         random_range_ratio=args.random_range_ratio, long_fraction=args.mixed_long_fraction,
-        long_input_range=_pair(args.mixed_long_range, "--mixed-long-range"),
-        short_input_range=_pair(args.mixed_short_range, "--mixed-short-range"),
-        output_range=_pair(args.mixed_output_range, "--mixed-output-range"),
+        long_input_range=args.mixed_long_input_range,
+        short_input_range=args.mixed_short_input_range, output_range=args.mixed_output_range,
     )
     requests = length_requests(input_lens, output_lens)
     longest = max(r.prompt_len + r.output_len for r in requests)
