@@ -1,0 +1,48 @@
+"""The engine thread: a failing step is contained, the loop keeps serving."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from chunkserve.engine.llm_engine import LLMEngine
+from chunkserve.sampling_params import SamplingParams
+from chunkserve.serve.async_engine import AsyncEngine, RequestFailedError
+
+POISON = 4242  # a prompt token that makes the (patched) runner raise
+
+
+def test_a_failing_step_fails_its_requests_not_the_engine(tiny_model_dir):
+    engine = LLMEngine.from_kwargs(model=tiny_model_dir, dtype="float32", max_model_len=256)
+    real_execute = engine.runner.execute
+
+    def execute(out):  # type: ignore[no-untyped-def]
+        if any(POISON in s.token_ids for s in out.scheduled):
+            raise RuntimeError("kernel exploded")
+        return real_execute(out)
+
+    engine.runner.execute = execute  # type: ignore[method-assign]
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+
+    async def collect(ae: AsyncEngine, rid: str, prompt: list[int]) -> list[int]:
+        tokens: list[int] = []
+        async for out in ae.generate(rid, prompt, params):
+            tokens = out.outputs[0].token_ids
+        return tokens
+
+    async def main() -> None:
+        ae = AsyncEngine(engine)
+        ae.start()
+        try:
+            with pytest.raises(RequestFailedError, match="kernel exploded"):
+                await asyncio.wait_for(collect(ae, "bad", [10, POISON, 11]), 60)
+            assert ae.is_healthy
+            # The loop carries on: later requests are served, and nothing is left allocated.
+            good = await asyncio.wait_for(collect(ae, "good", [10, 12, 11]), 60)
+            assert len(good) == 5
+            assert engine.scheduler.kv.stats().num_used_blocks == 0
+            assert not engine.has_unfinished_requests()
+        finally:
+            await asyncio.to_thread(ae.shutdown)
+
+    asyncio.run(main())
