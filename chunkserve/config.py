@@ -26,7 +26,6 @@ class ModelConfig:
     dtype: str = "auto"  # auto: bfloat16 linears where the CPU has AVX512_BF16, else float32
     max_model_len: int | None = None  # None: the model's own context length
     seed: int = 0
-    served_model_name: str | None = None
     device: str = "auto"  # auto: cuda when torch sees a GPU, else cpu
 
     def verify(self) -> None:

@@ -17,6 +17,17 @@ class RequestMetrics:
     # One timestamp per output token: inter-token latencies are their differences.
     token_times: list[float] = field(default_factory=list)
 
+    def on_scheduled(self, now: float) -> None:
+        if self.first_scheduled_time is None:
+            self.first_scheduled_time = now
+
+    def on_token(self, now: float) -> None:
+        """One output token produced at `now` (the end of the step that sampled it)."""
+        if self.first_token_time is None:
+            self.first_token_time = now
+        self.last_token_time = now
+        self.token_times.append(now)
+
     @property
     def ttft(self) -> float | None:
         return None if self.first_token_time is None else self.first_token_time - self.arrival_time

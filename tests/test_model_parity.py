@@ -1,7 +1,6 @@
 """Logits parity with an independent implementation: HF transformers on the same weights."""
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch

@@ -149,7 +149,7 @@ def _plot_cdf(out_dir: str, runs: Sequence[RunResult]) -> str:
 
 
 def _timeline_runs(runs: Sequence[RunResult]) -> list[RunResult]:
-    """The no-chunk baseline (if any) and the chunked run with the smallest ITL p99 spread."""
+    """The no-chunk baseline (if any) and the middle chunked configuration."""
     base = [r for r in runs if r.point.chunk_size == "none"]
     chunked = [r for r in runs if r.point.chunk_size != "none"]
     picks = base[:1]

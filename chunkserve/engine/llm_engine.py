@@ -156,9 +156,7 @@ class LLMEngine:
         out = self.scheduler.schedule()
         self.last_scheduled = out.scheduled  # lets a caller contain a failed step
         for sr in out.scheduled:
-            m = self._states[sr.request.request_id].metrics
-            if m.first_scheduled_time is None:
-                m.first_scheduled_time = start
+            self._states[sr.request.request_id].metrics.on_scheduled(start)
         result = self.runner.execute(out)
         now = self.clock()
         updated = self.scheduler.update_from_output(out, result.sampled)
@@ -175,10 +173,7 @@ class LLMEngine:
         if logprobs is not None:
             state.logprobs.append(logprobs)
         m = state.metrics
-        if m.first_token_time is None:
-            m.first_token_time = now
-        m.last_token_time = now
-        m.token_times.append(now)
+        m.on_token(now)
         stop = state.detokenizer.update(req.output_token_ids[-1:])
         if stop is not None:
             req.stop_reason = stop

@@ -31,7 +31,6 @@ class ModelRunner:
         num_kv_blocks: int,
         block_size: int,
         num_swap_blocks: int = 0,
-        eos_token_ids: list[int] | None = None,
     ) -> None:
         self.model = model
         self.block_size = block_size
@@ -48,7 +47,6 @@ class ModelRunner:
             if num_swap_blocks else None
         )
         self.sampler = Sampler()
-        self.eos_token_ids = list(eos_token_ids or [])
         self._generators: dict[str, torch.Generator] = {}
 
     @torch.inference_mode()

@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from chunkserve import __version__
@@ -204,6 +204,3 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T | None:
                 await task
     return None if task.cancelled() else task.result()
 
-
-def sse_response(events: AsyncIterator[str]) -> StreamingResponse:
-    return StreamingResponse(events, media_type="text/event-stream")

@@ -120,9 +120,6 @@ class AsyncEngine:
             if not finished:  # cancelled, disconnected or the consumer stopped early
                 self._commands.put(_Abort(request_id))
 
-    def abort(self, request_id: str) -> None:
-        self._commands.put(_Abort(request_id))
-
     # ---- the engine thread ------------------------------------------------------------------
     def _run(self) -> None:
         try:

@@ -5,7 +5,7 @@ import asyncio
 import contextlib
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from chunkserve.engine.llm_engine import LLMEngine
 from chunkserve.model.tokenizer import Tokenizer
@@ -153,6 +153,4 @@ class Serving:
 
 
 def _reseed(params: SamplingParams, seed: int) -> SamplingParams:
-    from dataclasses import replace
-
     return replace(params, seed=seed)

@@ -16,8 +16,6 @@ from chunkserve.sim.cost_model import (
     CostModel,
     LinearCostModel,
     RooflineCostModel,
-    StepShape,
-    step_time,
 )
 from chunkserve.sim.simulator import SimConfig, length_requests, simulate
 from chunkserve.sim.specs import get_hardware, get_model
@@ -130,8 +128,3 @@ def run_profile(args: argparse.Namespace) -> int:
         print(f"  {family:<10} {err:6.1%}")
     return 0
 
-
-def explain_step(cost: CostModel, shape: StepShape) -> str:
-    parts = cost.breakdown(shape)
-    total = step_time(cost, shape)
-    return ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in parts.items() if v) + f" = {total * 1e3:.2f} ms"

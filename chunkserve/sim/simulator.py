@@ -64,19 +64,14 @@ class SimEngine:
         out: SchedulerOutput = self.scheduler.schedule()
         self.scheduled_log.append([(s.request.request_id, s.num_new_tokens) for s in out.scheduled])
         for sr in out.scheduled:
-            m = self._metrics[sr.request.request_id]
-            if m.first_scheduled_time is None:
-                m.first_scheduled_time = start
+            self._metrics[sr.request.request_id].on_scheduled(start)
         duration = step_time(self.cost_model, StepShape.from_output(out))
         self.clock = now = start + duration
         sampled = {s.request.request_id: DUMMY_TOKEN for s in out.scheduled if s.samples}
         finished = []
         for req in self.scheduler.update_from_output(out, sampled):
             m = self._metrics[req.request_id]
-            if m.first_token_time is None:
-                m.first_token_time = now
-            m.last_token_time = now
-            m.token_times.append(now)
+            m.on_token(now)
             if req.status.finished:
                 m.finished_time = now
                 m.num_preemptions = req.num_preemptions
