@@ -202,3 +202,72 @@ def test_simulation_is_deterministic(tmp_path):
     assert all(e["simulated"] and e["completed"] == 300 for e in first)
     for png in ("latency_vs_chunk.png", "tpot_cdf.png", "step_timeline.png"):
         assert (tmp_path / "a" / png).exists()
+
+
+# ---- validation against the real engine ------------------------------------------------------------
+def test_pool_concatenates_requests_and_sums_durations():
+    from chunkserve.bench.metrics import RequestResult
+    from chunkserve.bench.sweep import RunResult
+    from chunkserve.sim.validate import pool
+
+    point = SweepPoint(16, "decode-first")
+    runs = [RunResult(point, [RequestResult(True, 4, 2, 0.1 * i)], [], 2.0) for i in (1, 2, 3)]
+    pooled = pool(runs)
+    assert [r.ttft for r in pooled.results] == [0.1, 0.2, 0.30000000000000004]
+    assert pooled.duration == 6.0 and pooled.point is point
+
+
+def test_step_cost_summary():
+    from chunkserve.sim.validate import StepCosts
+
+    costs = StepCosts(measured=[0.10, 0.20, 0.40], predicted=[0.11, 0.18, 0.40])
+    s = costs.summary()
+    assert s["busy_time_error"] == pytest.approx((0.69 - 0.70) / 0.70)
+    assert s["median_abs_step_error"] == pytest.approx(0.10)
+    assert s["num_steps"] == 3
+    assert StepCosts().summary() == {}
+
+
+def _validate(tmp_path, profile: str, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "chunkserve.cli", "sim", "--validate", "--hardware", profile,
+         "--dataset-name", "random", "--random-input-len", "24", "--random-output-len", "4",
+         "--num-prompts", "3", "--request-rate", "50", "--chunk-sizes", "none,16",
+         "--out", str(tmp_path / "val"), *extra],
+        capture_output=True, text=True, timeout=300,
+    )
+
+
+def test_validate_runs_engine_and_simulator_on_the_same_workloads(tmp_path, tiny_model_dir):
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps({
+        "kind": "linear", "name": "test", "model": tiny_model_dir, "dtype": "float32",
+        "num_kv_blocks": 64,
+        "coefficients": {"step": 2e-3, "token": 1e-5, "decode_context": 1e-7},
+    }))
+    r = _validate(tmp_path, str(profile), "--repeats", "2")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("repeat ") == 4  # 2 repeats x 2 chunk sizes, interleaved
+    rows = json.loads((tmp_path / "val" / "validation.json").read_text())
+    assert [row["chunk_size"] for row in rows] == ["none", 16]
+    for row in rows:
+        assert row["repeats"] == 2 and row["num_requests"] == 6
+        assert set(row["relative_error"]) == set(row["real"]) == set(row["sim"])
+        sim_ttft = row["sim"]["median_ttft_ms"]
+        assert row["relative_error"]["median_ttft_ms"] == pytest.approx(
+            (sim_ttft - row["real"]["median_ttft_ms"]) / row["real"]["median_ttft_ms"])
+        # Every real step was also priced by the cost model.
+        assert row["step_cost"]["num_steps"] > 0
+        assert np.isfinite(row["step_cost"]["busy_time_error"])
+    assert "Largest absolute error" in (tmp_path / "val" / "validation.md").read_text()
+
+
+def test_validate_rejects_bad_input(tmp_path):
+    r = _validate(tmp_path, "a100-80gb")
+    assert r.returncode == 2 and "profile file" in r.stderr and "Traceback" not in r.stderr
+    profile = tmp_path / "p.json"
+    profile.write_text(json.dumps({"kind": "linear", "coefficients": {}, "name": "x",
+                                   "model": "smollm2-135m", "dtype": "float32",
+                                   "num_kv_blocks": 8}))
+    r = _validate(tmp_path, str(profile), "--repeats", "0")
+    assert r.returncode == 2 and "--repeats" in r.stderr

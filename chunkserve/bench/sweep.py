@@ -119,13 +119,14 @@ def run_point(
     requests: Sequence[BenchRequest],
     arrivals: Sequence[float],
     engine_kwargs: dict[str, Any],
+    on_step: Callable[[LLMEngine], None] | None = None,
 ) -> RunResult:
     engine = LLMEngine.from_kwargs(
         loaded=loaded, model=loaded.path, **engine_kwargs,
         **point.engine_kwargs(loaded.max_model_len),
     )
     engine.trace.keep_all()
-    results, duration = replay(engine, requests, arrivals)
+    results, duration = replay(engine, requests, arrivals, on_step=on_step)
     return RunResult(point, results, list(engine.trace.records), duration)
 
 

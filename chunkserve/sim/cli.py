@@ -36,6 +36,9 @@ def add_sim_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--validate", action="store_true",
                    help="also run the real engine on the same workload (needs --hardware to be "
                         "a profile of this machine) and report the simulator's relative errors")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="with --validate: replay the workload with seeds seed..seed+N-1 and "
+                        "take percentiles over all their requests")
     add_workload_args(p)
 
 
