@@ -271,3 +271,14 @@ def test_validate_rejects_bad_input(tmp_path):
                                    "num_kv_blocks": 8}))
     r = _validate(tmp_path, str(profile), "--repeats", "0")
     assert r.returncode == 2 and "--repeats" in r.stderr
+
+
+def test_family_weights_decide_which_family_the_fit_follows():
+    # Two families that disagree by 2x on the per-token cost: the fit follows the weighted one.
+    live = [Sample("workload", StepShape(prefill=[(n, 0)]), 0.01 + 1e-4 * n) for n in (8, 64, 256)]
+    grid = [Sample("prefill", StepShape(prefill=[(n, 0)]), 0.01 + 2e-4 * n) for n in (16, 128, 512)]
+    weighted = fit_linear(live + grid, {"prefill": 1e-4})
+    model = LinearCostModel(weighted)
+    for n in (8, 64, 256):
+        assert step_time(model, StepShape(prefill=[(n, 0)])) == pytest.approx(0.01 + 1e-4 * n,
+                                                                               rel=0.02)

@@ -2,8 +2,10 @@
 
 Every sample is a whole `engine.step()` as the step trace records it (scheduling, model,
 sampling, detokenization), so the fitted model predicts the same durations the benchmarks
-measure. Shapes come in families — prefill chunks over growing cached context, decode batches
-over contexts, and mixed steps — and the fit error is reported per family.
+measure. Samples come in families: steps of a mixed workload replayed live at several budgets
+(the fit is made on these), and a grid of isolated shapes — prefill chunks over growing cached
+context, decode batches over contexts, mixed steps — that only anchors the fit where live steps
+are sparse. The fit error is reported per family, so the grid's is nearly out-of-sample.
 """
 from __future__ import annotations
 
@@ -26,21 +28,25 @@ class Sample:
     duration: float  # seconds
 
 
-def fit_linear(samples: Sequence[Sample]) -> dict[str, float]:
+def fit_linear(samples: Sequence[Sample],
+               family_weights: dict[str, float] | None = None) -> dict[str, float]:
     """Non-negative least squares on relative error (each sample weighted by 1/duration).
 
     Relative weighting keeps 20 ms decode steps as important as 2 s prefill steps: TPOT is
-    made of the former. Negative coefficients are physically meaningless; features that want
-    one are dropped and the rest refitted (a small active-set loop).
+    made of the former. `family_weights` scales a whole family (default 1). Negative
+    coefficients are physically meaningless; features that want one are dropped and the rest
+    refitted (a small active-set loop).
     """
     X = np.array([[linear_features(s.shape)[k] for k in LINEAR_FEATURES] for s in samples])
     y = np.array([s.duration for s in samples])
-    # Each family weighs the same in total, so a thousand live-workload steps cannot drown the
-    # few whole long prefills that decide a no-chunk run's tail.
+    # A family's weight does not grow with its sample count (1/sqrt(n) per sample), so the
+    # thousands of decode steps of a live run cannot drown its few long prefills.
     counts: dict[str, int] = {}
     for s in samples:
         counts[s.family] = counts.get(s.family, 0) + 1
-    w = np.array([1.0 / (s.duration * np.sqrt(counts[s.family])) for s in samples])
+    weight = family_weights or {}
+    w = np.array([weight.get(s.family, 1.0) / (s.duration * np.sqrt(counts[s.family]))
+                  for s in samples])
     active = [j for j in range(len(LINEAR_FEATURES)) if X[:, j].any()]
     coef = np.zeros(len(LINEAR_FEATURES))
     while active:
@@ -82,11 +88,11 @@ def default_grid(quick: bool = False) -> list[Scenario]:
     prefill += [Scenario("prefill", [2048], 1, c) for c in (32, 128, 512)]
     decode = [
         Scenario("decode", [ctx] * b, 9, b * ctx)
-        for b, ctx in ((1, 256), (1, 2048), (8, 512), (16, 1024), (32, 256), (32, 512), (64, 128))
+        for b, ctx in ((1, 256), (1, 2048), (8, 512), (32, 256), (64, 128))
     ]
-    mixed = [Scenario("mixed", [192] * 8 + [1536], 24, c) for c in (64, 256, 1024)]
+    mixed = [Scenario("mixed", [192] * 8 + [1536], 24, c) for c in (64, 512)]
     if quick:
-        return [prefill[1], prefill[5], decode[2], decode[4], mixed[1]]
+        return [prefill[1], prefill[5], decode[2], decode[3], mixed[1]]
     return prefill + decode + mixed
 
 
@@ -128,20 +134,25 @@ def _record(engine: Any, family: str, samples: list[Sample]) -> None:
     samples.append(Sample(family, shape, engine.trace.records[-1].duration))
 
 
-def measure_workload(loaded: Any, budgets: Sequence[int], num_prompts: int = 24,
-                     rate: float = 1.5, seed: int = 1234) -> list[Sample]:
-    """Steps of a short mixed workload replayed in real time, at each budget.
+def measure_workload(loaded: Any, budgets: Sequence[int | None], num_prompts: int = 20,
+                     rate: float = 0.8, seed: int = 1234, long_fraction: float = 0.25
+                     ) -> list[Sample]:
+    """Steps of the default mixed workload replayed in real time, at each budget (None: no
+    chunking, the whole prompt in one step).
 
-    The grid's clean, isolated steps miss what a live run adds: KV blocks scattered by request
-    churn, short prefills mixed into decode batches, colder caches. Fitting on these too keeps
-    the model honest for the steps a simulated workload is made of.
+    The fit is made on these: isolated steps of the grid run measurably differently from the
+    same shapes inside a live run (KV blocks scattered by request churn, short prefills mixed
+    into decode batches, colder caches), and a simulator replays live runs. The seed differs
+    from the benchmarks' default, so validation never scores the model on its own samples.
     """
     from chunkserve.bench.sweep import replay
     from chunkserve.bench.workloads import arrival_times, sample_requests
     from chunkserve.engine.llm_engine import LLMEngine
 
+    # More long prompts than the benchmark's 10%: the attention terms that decide latency tails
+    # are only measured on long prefills, and a handful of them would leave those terms loose.
     requests = sample_requests("mixed", loaded.tokenizer, num_prompts, seed,
-                               long_input_range=(1024, 2048))
+                               long_fraction=long_fraction)
     arrivals = arrival_times(num_prompts, rate, 1.0, seed)
     samples: list[Sample] = []
 
@@ -152,9 +163,15 @@ def measure_workload(loaded: Any, budgets: Sequence[int], num_prompts: int = 24,
 
     for budget in budgets:
         engine = LLMEngine.from_kwargs(loaded=loaded, model=loaded.path,
-                                       max_num_batched_tokens=budget)
+                                       max_num_batched_tokens=budget or loaded.max_model_len)
         replay(engine, requests, arrivals, on_step=on_step)
     return samples
+
+
+# The grid's isolated shapes only anchor the coefficients where live steps are sparse (large
+# decode batches, long cached contexts); at full weight they pull the fit away from what live
+# runs measure (validation showed 10-20% errors on latency percentiles that way).
+GRID_FAMILY_WEIGHT = 0.05
 
 
 def profile(model: str, dtype: str, quick: bool = False, block_size: int = 16) -> dict[str, Any]:
@@ -165,9 +182,10 @@ def profile(model: str, dtype: str, quick: bool = False, block_size: int = 16) -
     t0 = time.monotonic()
     loaded = load_model(model, dtype)
     samples = measure(loaded, default_grid(quick), block_size)
-    samples += measure_workload(loaded, [256] if quick else [128, 1024, 4096],
-                                num_prompts=8 if quick else 16)
-    coefficients = fit_linear(samples)
+    samples += measure_workload(loaded, [256] if quick else [128, 512, 2048, None],
+                                num_prompts=8 if quick else 20)
+    grid_weights = {s.family: GRID_FAMILY_WEIGHT for s in samples if s.family != "workload"}
+    coefficients = fit_linear(samples, grid_weights)
     block_bytes = kv_bytes_per_block(loaded.model, block_size)
     return {
         "kind": "linear",
