@@ -166,26 +166,21 @@ def _row(point: SweepPoint, real_runs: list[RunResult], sim_runs: list[RunResult
     }
 
 
-def _error_table(rows: list[dict[str, Any]], key: str) -> list[str]:
-    lines = ["| chunk_size | " + " | ".join(COMPARED) + " |", "|" + "---|" * (len(COMPARED) + 1)]
-    for r in rows:
-        cells = []
-        for k in COMPARED:
-            err = r.get(key, {}).get(k)
-            cells.append("–" if err is None else f"{err:+.1%} ({r['real'][k]:,.1f})")
-        lines.append(f"| {r['chunk_size']} | " + " | ".join(cells) + " |")
-    worst = max((abs(v) for r in rows for v in r.get(key, {}).values()), default=0.0)
-    return lines + ["", f"Largest absolute error: {worst:.1%}.", ""]
-
-
 def validation_markdown(rows: list[dict[str, Any]]) -> str:
     n = rows[0]["num_requests"] if rows else 0
     reps = rows[0]["repeats"] if rows else 0
     lines = [f"Simulator relative error vs the real engine, (sim − real) / real; percentiles over "
              f"{n} requests ({reps} repeat(s)); real value in parentheses.", "",
-             ""]
-    lines += _error_table(rows, "relative_error")
-    lines += ["Cost model scored on the real runs' own steps (a large busy-time error means the "
+             "| chunk_size | " + " | ".join(COMPARED) + " |", "|" + "---|" * (len(COMPARED) + 1)]
+    for r in rows:
+        cells = []
+        for k in COMPARED:
+            err = r["relative_error"].get(k)
+            cells.append("–" if err is None else f"{err:+.1%} ({r['real'][k]:,.1f})")
+        lines.append(f"| {r['chunk_size']} | " + " | ".join(cells) + " |")
+    worst = max((abs(v) for r in rows for v in r["relative_error"].values()), default=0.0)
+    lines += ["", f"Largest absolute error: {worst:.1%}.", "",
+              "Cost model scored on the real runs' own steps (a large busy-time error means the "
               "machine ran at a different speed than when profiled):", "",
               "| chunk_size | steps | busy time error | median abs step error |",
               "|---|---|---|---|"]
