@@ -6,7 +6,7 @@ import os
 import shlex
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from chunkserve.bench.report import plot_all, table_markdown, write_results, write_table
@@ -97,6 +97,14 @@ def workload_from_args(args: argparse.Namespace, tokenizer: Any) -> list[Any]:
     )
 
 
+def check_fits(requests: Sequence[Any], max_model_len: int) -> None:
+    """Every request's prompt + output must fit the model's context, or the run cannot finish."""
+    longest = max(r.prompt_len + r.output_len for r in requests)
+    if longest > max_model_len:
+        raise ValueError(f"the workload needs {longest} tokens per request, above max_model_len "
+                         f"{max_model_len}")
+
+
 def run_sweep(args: argparse.Namespace) -> int:
     from chunkserve.model.factory import load_model
 
@@ -105,12 +113,7 @@ def run_sweep(args: argparse.Namespace) -> int:
     points = sweep_points(sizes, args.scheduler, args.baseline)
     loaded = load_model(args.model, args.dtype, args.max_model_len)
     requests = workload_from_args(args, loaded.tokenizer)
-    longest = max(r.prompt_len + r.output_len for r in requests)
-    if longest > loaded.max_model_len:
-        raise ValueError(
-            f"the workload needs {longest} tokens per request, above max_model_len "
-            f"{loaded.max_model_len}"
-        )
+    check_fits(requests, loaded.max_model_len)
     engine_kwargs: dict[str, Any] = dict(
         block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs
     )

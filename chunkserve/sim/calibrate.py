@@ -125,20 +125,27 @@ def measure(loaded: Any, scenarios: Sequence[Scenario], block_size: int = 16) ->
     return samples
 
 
-def _record(engine: Any, family: str, samples: list[Sample]) -> None:
+def last_step(engine: Any) -> tuple[StepShape, float] | None:
+    """The shape and measured duration of the engine's last step; None if it ran no tokens."""
     shape = StepShape.from_scheduled(engine.last_scheduled)
-    if not shape.num_tokens:
+    return (shape, engine.trace.records[-1].duration) if shape.num_tokens else None
+
+
+def _record(engine: Any, family: str, samples: list[Sample]) -> None:
+    step = last_step(engine)
+    if step is None:
         return
+    shape, duration = step
     if family == "mixed" and not shape.is_mixed:  # the decode steps around the mixed ones
         family = "prefill" if shape.prefill and not shape.decode_contexts else "decode"
-    samples.append(Sample(family, shape, engine.trace.records[-1].duration))
+    samples.append(Sample(family, shape, duration))
 
 
 def measure_workload(loaded: Any, budgets: Sequence[int | None], num_prompts: int = 20,
                      rate: float = 0.8, seed: int = 1234, long_fraction: float = 0.25
                      ) -> list[Sample]:
-    """Steps of the default mixed workload replayed in real time, at each budget (None: no
-    chunking, the whole prompt in one step).
+    """Steps of a mixed workload replayed in real time, at each budget (None: no chunking, the
+    whole prompt in one step).
 
     The fit is made on these: isolated steps of the grid run measurably differently from the
     same shapes inside a live run (KV blocks scattered by request churn, short prefills mixed
@@ -157,9 +164,9 @@ def measure_workload(loaded: Any, budgets: Sequence[int | None], num_prompts: in
     samples: list[Sample] = []
 
     def on_step(engine: LLMEngine) -> None:
-        shape = StepShape.from_scheduled(engine.last_scheduled)
-        if shape.num_tokens:
-            samples.append(Sample("workload", shape, engine.trace.records[-1].duration))
+        step = last_step(engine)
+        if step is not None:
+            samples.append(Sample("workload", *step))
 
     for budget in budgets:
         engine = LLMEngine.from_kwargs(loaded=loaded, model=loaded.path,
@@ -170,7 +177,7 @@ def measure_workload(loaded: Any, budgets: Sequence[int | None], num_prompts: in
 
 # The grid's isolated shapes only anchor the coefficients where live steps are sparse (large
 # decode batches, long cached contexts); at full weight they pull the fit away from what live
-# runs measure (validation showed 10-20% errors on latency percentiles that way).
+# runs measure (validation was up to 30% off on latency percentiles that way).
 GRID_FAMILY_WEIGHT = 0.05
 
 

@@ -8,7 +8,12 @@ import sys
 from typing import Any
 
 from chunkserve.bench.sweep import parse_chunk_sizes, sweep_points
-from chunkserve.bench.sweep_cli import add_workload_args, check_workload_args, sweep_and_report
+from chunkserve.bench.sweep_cli import (
+    add_workload_args,
+    check_fits,
+    check_workload_args,
+    sweep_and_report,
+)
 from chunkserve.bench.workloads import arrival_times, sample_lengths
 from chunkserve.config import DTYPES
 from chunkserve.sim.cost_model import (
@@ -74,10 +79,7 @@ def run_sim(args: argparse.Namespace) -> int:
         short_input_range=args.mixed_short_input_range, output_range=args.mixed_output_range,
     )
     requests = length_requests(input_lens, output_lens)
-    longest = max(r.prompt_len + r.output_len for r in requests)
-    if longest > max_len:
-        raise ValueError(f"the workload needs {longest} tokens per request, above max_model_len "
-                         f"{max_len}")
+    check_fits(requests, max_len)
     config = SimConfig(max_model_len=max_len, num_kv_blocks=blocks, block_size=args.block_size,
                        max_num_seqs=args.max_num_seqs)
     points = sweep_points(parse_chunk_sizes(args.chunk_sizes), args.scheduler, args.baseline)

@@ -31,9 +31,10 @@ from chunkserve.bench.sweep import (
     summarize,
     sweep_points,
 )
-from chunkserve.bench.sweep_cli import parse_goodput, workload_from_args
+from chunkserve.bench.sweep_cli import check_fits, parse_goodput, workload_from_args
 from chunkserve.bench.workloads import BenchRequest, arrival_times
-from chunkserve.sim.cost_model import LinearCostModel, StepShape, step_time
+from chunkserve.sim.calibrate import last_step, load_profile
+from chunkserve.sim.cost_model import LinearCostModel, step_time
 from chunkserve.sim.simulator import SimConfig, length_requests, simulate
 
 COMPARED = ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "p99_e2el_ms",
@@ -88,7 +89,6 @@ class RealRun:
 
 def run_validation(args: argparse.Namespace) -> int:
     from chunkserve.model.factory import load_model
-    from chunkserve.sim.calibrate import load_profile
 
     if not os.path.isfile(args.hardware):
         raise ValueError("--validate compares against this machine: --hardware must be a "
@@ -113,10 +113,7 @@ def run_validation(args: argparse.Namespace) -> int:
         # Repeat r is the workload of seed + r: different requests and arrivals each time.
         rep_args = argparse.Namespace(**{**vars(args), "seed": args.seed + rep})
         requests = workload_from_args(rep_args, loaded.tokenizer)
-        longest = max(r.prompt_len + r.output_len for r in requests)
-        if longest > loaded.max_model_len:
-            raise ValueError(f"the workload needs {longest} tokens per request, above "
-                             f"max_model_len {loaded.max_model_len}")
+        check_fits(requests, loaded.max_model_len)
         arrivals = arrival_times(len(requests), args.request_rate, args.burstiness, rep_args.seed)
         sim_requests = length_requests([r.prompt_len for r in requests],
                                        [r.output_len for r in requests])
@@ -147,10 +144,10 @@ def run_validation(args: argparse.Namespace) -> int:
 
 def _recorder(cost: LinearCostModel, into: StepCosts) -> Any:
     def on_step(engine: Any) -> None:
-        shape = StepShape.from_scheduled(engine.last_scheduled)
-        if shape.num_tokens:
-            into.measured.append(engine.trace.records[-1].duration)
-            into.predicted.append(step_time(cost, shape))
+        step = last_step(engine)
+        if step is not None:
+            into.measured.append(step[1])
+            into.predicted.append(step_time(cost, step[0]))
     return on_step
 
 
