@@ -261,6 +261,24 @@ def test_validate_runs_engine_and_simulator_on_the_same_workloads(tmp_path, tiny
         assert np.isfinite(row["step_cost"]["busy_time_error"])
     assert "Largest absolute error" in (tmp_path / "val" / "validation.md").read_text()
 
+    # The saved real runs score another profile without running the engine again: the real
+    # side is unchanged, the simulated side follows the new coefficients.
+    runs = tmp_path / "val" / "real_runs.json.gz"
+    assert runs.exists()
+    again = tmp_path / "again"
+    r = _validate(again, str(profile), "--real-runs", str(runs))
+    assert r.returncode == 0, r.stderr
+    assert "repeat " not in r.stdout
+    assert json.loads((again / "val" / "validation.json").read_text()) == rows
+    slower = tmp_path / "slower.json"
+    slower.write_text(profile.read_text().replace('"step": 0.002', '"step": 0.02'))
+    r = _validate(again, str(slower), "--real-runs", str(runs))
+    assert r.returncode == 0, r.stderr
+    rescored = json.loads((again / "val" / "validation.json").read_text())
+    for old, new in zip(rows, rescored):
+        assert new["real"] == old["real"]
+        assert new["sim"]["median_tpot_ms"] > old["sim"]["median_tpot_ms"]
+
 
 def test_validate_rejects_bad_input(tmp_path):
     r = _validate(tmp_path, "a100-80gb")
@@ -271,6 +289,10 @@ def test_validate_rejects_bad_input(tmp_path):
                                    "num_kv_blocks": 8}))
     r = _validate(tmp_path, str(profile), "--repeats", "0")
     assert r.returncode == 2 and "--repeats" in r.stderr
+    (tmp_path / "junk.json.gz").write_text("not gzip")
+    r = _validate(tmp_path, str(profile), "--real-runs", str(tmp_path / "junk.json.gz"))
+    assert r.returncode == 2 and "not a file of real runs" in r.stderr
+    assert "Traceback" not in r.stderr
 
 
 def test_family_weights_decide_which_family_the_fit_follows():

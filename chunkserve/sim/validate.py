@@ -3,6 +3,11 @@
 Both replay the same requests at the same arrival offsets for each chunk size; the report is
 the simulator's relative error on the numbers a user would tune by.
 
+The real runs are the expensive half (minutes each); they are saved to `real_runs.json.gz`
+beside the report, with every step's shape and measured duration, and `--real-runs FILE`
+scores the simulator against saved runs again (another profile, another cost model) in
+seconds, without loading the model.
+
 Two things make a single short run a poor judge on a shared CPU, so the report carries both
 next to the errors:
 - tail percentiles of a few dozen requests are nearly maxima, and whether one short request
@@ -17,12 +22,14 @@ next to the errors:
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from chunkserve.bench.metrics import RequestResult
 from chunkserve.bench.sweep import (
     RunResult,
     SweepPoint,
@@ -32,13 +39,14 @@ from chunkserve.bench.sweep import (
     sweep_points,
 )
 from chunkserve.bench.sweep_cli import check_fits, parse_goodput, workload_from_args
-from chunkserve.bench.workloads import BenchRequest, arrival_times
+from chunkserve.bench.workloads import arrival_times
 from chunkserve.sim.calibrate import last_step, load_profile
-from chunkserve.sim.cost_model import LinearCostModel, step_time
+from chunkserve.sim.cost_model import CostModel, LinearCostModel, StepShape, step_time
 from chunkserve.sim.simulator import SimConfig, length_requests, simulate
 
 COMPARED = ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "p99_e2el_ms",
             "output_throughput")
+RUNS_FILE = "real_runs.json.gz"
 
 
 def relative_errors(real: dict[str, Any], sim: dict[str, Any]) -> dict[str, float]:
@@ -71,6 +79,10 @@ class StepCosts:
         }
 
     @staticmethod
+    def of(steps: list[tuple[StepShape, float]], cost: CostModel) -> StepCosts:
+        return StepCosts([d for _, d in steps], [step_time(cost, s) for s, _ in steps])
+
+    @staticmethod
     def merge(parts: list[StepCosts]) -> StepCosts:
         return StepCosts([m for c in parts for m in c.measured],
                          [p for c in parts for p in c.predicted])
@@ -78,61 +90,140 @@ class StepCosts:
 
 @dataclass
 class RealRun:
-    """One real run of one configuration, with what its simulation needs."""
+    """One real run of one configuration: the workload it replayed, what every request
+    measured and every step's shape and duration. All a simulation of it needs, and all a
+    cost model can be scored on."""
 
-    point_index: int
-    run: RunResult
-    costs: StepCosts
-    sim_requests: list[BenchRequest]
+    point: SweepPoint
+    seed: int
+    prompt_lens: list[int]
+    output_lens: list[int]
     arrivals: list[float]
+    results: list[RequestResult]
+    duration: float
+    steps: list[tuple[StepShape, float]]
+
+    def as_run(self) -> RunResult:
+        return RunResult(self.point, self.results, [], self.duration)
+
+    def simulate(self, config: SimConfig, cost: CostModel) -> RunResult:
+        return simulate(self.point, config, cost,
+                        length_requests(self.prompt_lens, self.output_lens), self.arrivals)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "chunk_size": self.point.chunk_size, "scheduler": self.point.scheduler,
+            "seed": self.seed, "prompt_lens": self.prompt_lens, "output_lens": self.output_lens,
+            "arrivals": self.arrivals, "duration": self.duration,
+            "results": [{k: v for k, v in asdict(r).items() if k != "generated_text"}
+                        for r in self.results],
+            # [duration, [[chunk, cached], ...], [decode context, ...], sampled]
+            "steps": [[d, s.prefill, s.decode_contexts, s.num_sampled] for s, d in self.steps],
+        }
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> RealRun:
+        steps = [(StepShape([tuple(p) for p in pre], list(dec), sampled), dur)
+                 for dur, pre, dec, sampled in d["steps"]]
+        return cls(SweepPoint(d["chunk_size"], d["scheduler"]), d["seed"], d["prompt_lens"],
+                   d["output_lens"], d["arrivals"], [RequestResult(**r) for r in d["results"]],
+                   d["duration"], steps)
+
+
+def save_runs(path: str, runs: list[RealRun], meta: dict[str, Any]) -> None:
+    with gzip.open(path, "wt") as f:
+        json.dump({**meta, "runs": [r.to_json() for r in runs]}, f)
+
+
+def load_runs(path: str) -> tuple[list[RealRun], dict[str, Any]]:
+    try:
+        with gzip.open(path, "rt") as f:
+            data = json.load(f)
+        runs = [RealRun.from_json(r) for r in data.pop("runs")]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path}: not a file of real runs written by `--validate` ({e})") from e
+    return runs, data
+
+
+def measure_real_runs(args: argparse.Namespace, loaded: Any) -> list[RealRun]:
+    """Replays the workloads of seeds seed..seed+repeats-1 through the real engine, every
+    configuration within a repeat before the next repeat (a slow spell of the machine then
+    hits all configurations alike)."""
+    engine_kwargs: dict[str, Any] = dict(block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+                                         num_kv_blocks=args.num_kv_blocks)
+    points = sweep_points(parse_chunk_sizes(args.chunk_sizes), args.scheduler, args.baseline)
+    runs: list[RealRun] = []
+    for rep in range(args.repeats):
+        seed = args.seed + rep
+        requests = workload_from_args(argparse.Namespace(**{**vars(args), "seed": seed}),
+                                      loaded.tokenizer)
+        check_fits(requests, loaded.max_model_len)
+        arrivals = arrival_times(len(requests), args.request_rate, args.burstiness, seed)
+        for point in points:
+            steps: list[tuple[StepShape, float]] = []
+
+            def on_step(engine: Any, steps: list[tuple[StepShape, float]] = steps) -> None:
+                step = last_step(engine)
+                if step is not None:
+                    steps.append(step)
+
+            real = run_point(loaded, point, requests, arrivals, engine_kwargs, on_step=on_step)
+            runs.append(RealRun(point, seed, [r.prompt_len for r in requests],
+                                [r.output_len for r in requests], list(arrivals),
+                                real.results, real.duration, steps))
+            print(f"repeat {rep + 1}/{args.repeats} chunk_size={point.chunk_size!s:>5}: "
+                  f"{len(requests)} requests in {real.duration:.1f} s", flush=True)
+    return runs
+
+
+def score(runs: list[RealRun], config: SimConfig, cost: CostModel, percentiles: list[float],
+          goodput: dict[str, float] | None) -> list[dict[str, Any]]:
+    """One row per configuration: real and simulated metrics pooled over the repeats."""
+    rows = []
+    points: list[SweepPoint] = []
+    for run in runs:  # the configurations, in run order
+        if run.point not in points:
+            points.append(run.point)
+    for point in points:
+        mine = [run for run in runs if run.point == point]
+        real = summarize(pool([run.as_run() for run in mine]), percentiles, goodput)
+        sim = summarize(pool([run.simulate(config, cost) for run in mine]), percentiles, goodput)
+        rows.append({
+            "chunk_size": point.chunk_size, "scheduler": point.scheduler,
+            "repeats": len(mine), "num_requests": sum(len(r.results) for r in mine),
+            "real": {k: real[k] for k in COMPARED}, "sim": {k: sim[k] for k in COMPARED},
+            "relative_error": relative_errors(real, sim),
+            "step_cost": StepCosts.merge([StepCosts.of(r.steps, cost) for r in mine]).summary(),
+        })
+    return rows
 
 
 def run_validation(args: argparse.Namespace) -> int:
-    from chunkserve.model.factory import load_model
-
     if not os.path.isfile(args.hardware):
         raise ValueError("--validate compares against this machine: --hardware must be a "
                          "profile file written here by `chunkserve profile`")
-    if args.request_rate is None:
-        raise ValueError("--validate needs an explicit --request-rate (the same for both runs)")
-    if args.repeats < 1:
-        raise ValueError(f"--repeats must be at least 1, got {args.repeats}")
     prof = load_profile(args.hardware)
     cost = LinearCostModel(prof["coefficients"], prof["name"])
-    loaded = load_model(prof["model"], prof["dtype"], args.max_model_len)
-    engine_kwargs: dict[str, Any] = dict(block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-                                         num_kv_blocks=args.num_kv_blocks)
-    blocks = args.num_kv_blocks or prof["num_kv_blocks"]
-    config = SimConfig(loaded.max_model_len, blocks, args.block_size, args.max_num_seqs)
+    if args.real_runs:
+        runs, meta = load_runs(args.real_runs)
+    else:
+        if args.request_rate is None:
+            raise ValueError("--validate needs an explicit --request-rate (the same for both runs)")
+        if args.repeats < 1:
+            raise ValueError(f"--repeats must be at least 1, got {args.repeats}")
+        from chunkserve.model.factory import load_model
+
+        loaded = load_model(prof["model"], prof["dtype"], args.max_model_len)
+        runs = measure_real_runs(args, loaded)
+        meta = {"model": prof["model"], "max_model_len": loaded.max_model_len,
+                "num_kv_blocks": args.num_kv_blocks or prof["num_kv_blocks"],
+                "block_size": args.block_size, "max_num_seqs": args.max_num_seqs}
+        os.makedirs(args.out, exist_ok=True)
+        save_runs(os.path.join(args.out, RUNS_FILE), runs, meta)
+    config = SimConfig(meta["max_model_len"], meta["num_kv_blocks"], meta["block_size"],
+                       meta["max_num_seqs"])
     percentiles = [float(p) for p in args.percentiles.split(",")]
-    goodput = parse_goodput(args.goodput)
-    points = sweep_points(parse_chunk_sizes(args.chunk_sizes), args.scheduler, args.baseline)
-
-    runs: list[RealRun] = []
-    for rep in range(args.repeats):
-        # Repeat r is the workload of seed + r: different requests and arrivals each time.
-        rep_args = argparse.Namespace(**{**vars(args), "seed": args.seed + rep})
-        requests = workload_from_args(rep_args, loaded.tokenizer)
-        check_fits(requests, loaded.max_model_len)
-        arrivals = arrival_times(len(requests), args.request_rate, args.burstiness, rep_args.seed)
-        sim_requests = length_requests([r.prompt_len for r in requests],
-                                       [r.output_len for r in requests])
-        # Configurations interleave within a repeat, so a slow spell of the machine hits all.
-        for i, point in enumerate(points):
-            costs = StepCosts()
-            real = run_point(loaded, point, requests, arrivals, engine_kwargs,
-                             on_step=_recorder(cost, costs))
-            runs.append(RealRun(i, real, costs, sim_requests, arrivals))
-            print(f"repeat {rep + 1}/{args.repeats} chunk_size={point.chunk_size!s:>5}: "
-                  f"{len(requests)} requests in {real.duration:.1f} s", flush=True)
-
-    rows = []
-    for i, point in enumerate(points):
-        mine = [run for run in runs if run.point_index == i]
-        sims = [simulate(point, config, cost, run.sim_requests, run.arrivals) for run in mine]
-        row = _row(point, [run.run for run in mine], sims, percentiles, goodput)
-        row["step_cost"] = StepCosts.merge([run.costs for run in mine]).summary()
-        rows.append(row)
+    rows = score(runs, config, cost, percentiles, parse_goodput(args.goodput))
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "validation.json"), "w") as f:
         json.dump(rows, f, indent=2)
@@ -140,27 +231,6 @@ def run_validation(args: argparse.Namespace) -> int:
         f.write(validation_markdown(rows))
     print(validation_markdown(rows))
     return 0
-
-
-def _recorder(cost: LinearCostModel, into: StepCosts) -> Any:
-    def on_step(engine: Any) -> None:
-        step = last_step(engine)
-        if step is not None:
-            into.measured.append(step[1])
-            into.predicted.append(step_time(cost, step[0]))
-    return on_step
-
-
-def _row(point: SweepPoint, real_runs: list[RunResult], sim_runs: list[RunResult],
-         percentiles: list[float], goodput: dict[str, float] | None) -> dict[str, Any]:
-    real = summarize(pool(real_runs), percentiles, goodput)
-    sim = summarize(pool(sim_runs), percentiles, goodput)
-    return {
-        "chunk_size": point.chunk_size, "scheduler": point.scheduler,
-        "repeats": len(real_runs), "num_requests": sum(len(r.results) for r in real_runs),
-        "real": {k: real[k] for k in COMPARED}, "sim": {k: sim[k] for k in COMPARED},
-        "relative_error": relative_errors(real, sim),
-    }
 
 
 def validation_markdown(rows: list[dict[str, Any]]) -> str:
