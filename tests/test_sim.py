@@ -228,6 +228,35 @@ def test_step_cost_summary():
     assert StepCosts().summary() == {}
 
 
+def test_held_out_model_and_speed_factor():
+    # Two configurations timed on one known machine, the second during a 10% slower spell.
+    from chunkserve.sim.validate import RealRun, held_out_model, run_costs, speed_factor
+
+    truth = LinearCostModel({"step": 0.015, "token": 3e-4, "decode_context": 4e-6,
+                             "chunk_attention": 5e-7})
+    rng = np.random.default_rng(1)
+
+    def steps(slowdown: float) -> list:
+        out = []
+        for _ in range(200):
+            shape = StepShape([(int(rng.integers(1, 512)), int(rng.integers(0, 3000)))],
+                              [int(c) for c in rng.integers(16, 2048, size=rng.integers(0, 8))])
+            out.append((shape, slowdown * step_time(truth, shape)))
+        return out
+
+    a, b = SweepPoint(256, "decode-first"), SweepPoint("none", "prefill-first")
+    runs = [RealRun(p, 0, [8], [2], [0.0], [], 1.0, steps(f)) for p, f in ((a, 1.0), (b, 1.1))]
+    # The model for `a` is fitted on `b` only: the truth at b's speed.
+    model_a = held_out_model(runs, a)
+    assert model_a.coefficients["step"] == pytest.approx(0.015 * 1.1, rel=1e-6)
+    assert speed_factor(model_a, runs[0].steps) == pytest.approx(1 / 1.1)
+    # Speed-matched, each run is priced at its own speed again.
+    matched = run_costs(runs, "held_out_speed", truth)
+    for run, cost in zip(runs, matched):
+        assert speed_factor(cost, run.steps) == pytest.approx(1.0)
+    assert run_costs(runs, "profile", truth) == [truth, truth]
+
+
 def _validate(tmp_path, profile: str, *extra: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "chunkserve.cli", "sim", "--validate", "--hardware", profile,
@@ -248,7 +277,9 @@ def test_validate_runs_engine_and_simulator_on_the_same_workloads(tmp_path, tiny
     r = _validate(tmp_path, str(profile), "--repeats", "2")
     assert r.returncode == 0, r.stderr
     assert r.stdout.count("repeat ") == 4  # 2 repeats x 2 chunk sizes, interleaved
-    rows = json.loads((tmp_path / "val" / "validation.json").read_text())
+    report = json.loads((tmp_path / "val" / "validation.json").read_text())
+    assert list(report["calibrations"]) == ["profile", "held_out", "held_out_speed"]
+    rows = report["calibrations"]["profile"]
     assert [row["chunk_size"] for row in rows] == ["none", 16]
     for row in rows:
         assert row["repeats"] == 2 and row["num_requests"] == 6
@@ -259,7 +290,13 @@ def test_validate_runs_engine_and_simulator_on_the_same_workloads(tmp_path, tiny
         # Every real step was also priced by the cost model.
         assert row["step_cost"]["num_steps"] > 0
         assert np.isfinite(row["step_cost"]["busy_time_error"])
-    assert "Largest absolute error" in (tmp_path / "val" / "validation.md").read_text()
+    # Speed-matched: each run's predicted busy time equals its measured one.
+    for row in report["calibrations"]["held_out_speed"]:
+        assert row["step_cost"]["busy_time_error"] == pytest.approx(0.0, abs=1e-9)
+    assert [(r["seed"], r["chunk_size"]) for r in report["runs"]] == [
+        (0, "none"), (0, 16), (1, "none"), (1, 16)]
+    md = (tmp_path / "val" / "validation.md").read_text()
+    assert "**held_out**" in md and "cells within 10%" in md and "Machine speed per run" in md
 
     # The saved real runs score another profile without running the engine again: the real
     # side is unchanged, the simulated side follows the new coefficients.
@@ -269,15 +306,17 @@ def test_validate_runs_engine_and_simulator_on_the_same_workloads(tmp_path, tiny
     r = _validate(again, str(profile), "--real-runs", str(runs))
     assert r.returncode == 0, r.stderr
     assert "repeat " not in r.stdout
-    assert json.loads((again / "val" / "validation.json").read_text()) == rows
+    assert json.loads((again / "val" / "validation.json").read_text()) == report
     slower = tmp_path / "slower.json"
     slower.write_text(profile.read_text().replace('"step": 0.002', '"step": 0.02'))
     r = _validate(again, str(slower), "--real-runs", str(runs))
     assert r.returncode == 0, r.stderr
     rescored = json.loads((again / "val" / "validation.json").read_text())
-    for old, new in zip(rows, rescored):
+    for old, new in zip(rows, rescored["calibrations"]["profile"]):
         assert new["real"] == old["real"]
         assert new["sim"]["median_tpot_ms"] > old["sim"]["median_tpot_ms"]
+    # The held-out calibrations never read the profile's coefficients.
+    assert rescored["calibrations"]["held_out"] == report["calibrations"]["held_out"]
 
 
 def test_validate_rejects_bad_input(tmp_path):
