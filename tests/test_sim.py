@@ -1,6 +1,7 @@
 """The simulator: the real scheduler on a virtual clock, the cost model, calibration."""
 from __future__ import annotations
 
+import gzip
 import json
 import subprocess
 import sys
@@ -318,6 +319,21 @@ def test_validate_runs_engine_and_simulator_on_the_same_workloads(tmp_path, tiny
     # The held-out calibrations never read the profile's coefficients.
     assert rescored["calibrations"]["held_out"] == report["calibrations"]["held_out"]
 
+    # Several files of saved runs pool into one report (more requests behind each percentile)...
+    r = _validate(again, str(profile), "--real-runs", str(runs), str(runs))
+    assert r.returncode == 0, r.stderr
+    pooled = json.loads((again / "val" / "validation.json").read_text())
+    assert [row["num_requests"] for row in pooled["calibrations"]["profile"]] == [12, 12]
+    # ...but only runs of one engine configuration.
+    with gzip.open(runs, "rt") as f:
+        data = json.load(f)
+    data["num_kv_blocks"] += 1
+    other = tmp_path / "other.json.gz"
+    with gzip.open(other, "wt") as f:
+        json.dump(data, f)
+    r = _validate(again, str(profile), "--real-runs", str(runs), str(other))
+    assert r.returncode == 2 and "different num_kv_blocks" in r.stderr
+
 
 def test_validate_rejects_bad_input(tmp_path):
     r = _validate(tmp_path, "a100-80gb")
@@ -332,6 +348,10 @@ def test_validate_rejects_bad_input(tmp_path):
     r = _validate(tmp_path, str(profile), "--real-runs", str(tmp_path / "junk.json.gz"))
     assert r.returncode == 2 and "not a file of real runs" in r.stderr
     assert "Traceback" not in r.stderr
+    with gzip.open(tmp_path / "empty.json.gz", "wt") as f:
+        json.dump({"runs": []}, f)
+    r = _validate(tmp_path, str(profile), "--real-runs", str(tmp_path / "empty.json.gz"))
+    assert r.returncode == 2 and "missing max_model_len" in r.stderr
 
 
 def test_family_weights_decide_which_family_the_fit_follows():

@@ -44,10 +44,11 @@ def add_sim_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=1,
                    help="with --validate: replay the workload with seeds seed..seed+N-1 and "
                         "take percentiles over all their requests")
-    p.add_argument("--real-runs", default=None, metavar="FILE",
-                   help="with --validate: score the simulator against real runs saved by an "
-                        "earlier --validate (its real_runs.json.gz) instead of running the "
-                        "engine again")
+    p.add_argument("--real-runs", nargs="+", default=None, metavar="FILE",
+                   help="with --validate: score the simulator against real runs saved by "
+                        "earlier --validate runs (their real_runs.json.gz; several files are "
+                        "pooled) instead of running the engine; workload and chunk sizes come "
+                        "from the files")
     add_workload_args(p)
 
 

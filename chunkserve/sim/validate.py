@@ -47,6 +47,7 @@ from chunkserve.sim.simulator import SimConfig, length_requests, simulate
 COMPARED = ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "p99_e2el_ms",
             "output_throughput")
 RUNS_FILE = "real_runs.json.gz"
+RUN_META = ("max_model_len", "num_kv_blocks", "block_size", "max_num_seqs")  # for SimConfig
 
 
 def relative_errors(real: dict[str, Any], sim: dict[str, Any]) -> dict[str, float]:
@@ -140,9 +141,26 @@ def load_runs(path: str) -> tuple[list[RealRun], dict[str, Any]]:
         with gzip.open(path, "rt") as f:
             data = json.load(f)
         runs = [RealRun.from_json(r) for r in data.pop("runs")]
+        missing = [k for k in RUN_META if k not in data]
+        if missing or not runs:
+            raise ValueError(f"missing {', '.join(missing) or 'runs'}")
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{path}: not a file of real runs written by `--validate` ({e})") from e
     return runs, data
+
+
+def load_all_runs(paths: list[str]) -> tuple[list[RealRun], dict[str, Any]]:
+    """Saved runs of several --validate invocations, pooled: more requests behind every
+    percentile. They must describe the same engine configuration."""
+    runs, meta = load_runs(paths[0])
+    for path in paths[1:]:
+        more, other = load_runs(path)
+        differ = [k for k in RUN_META if other[k] != meta[k]]
+        if differ:
+            raise ValueError(f"{path} was run with a different {', '.join(differ)} than "
+                             f"{paths[0]}; only runs of one configuration can be pooled")
+        runs += more
+    return runs, meta
 
 
 def measure_real_runs(args: argparse.Namespace, loaded: Any) -> list[RealRun]:
@@ -269,7 +287,7 @@ def run_validation(args: argparse.Namespace) -> int:
     prof = load_profile(args.hardware)
     cost = LinearCostModel(prof["coefficients"], prof["name"])
     if args.real_runs:
-        runs, meta = load_runs(args.real_runs)
+        runs, meta = load_all_runs(args.real_runs)
     else:
         if args.request_rate is None:
             raise ValueError("--validate needs an explicit --request-rate (the same for both runs)")
