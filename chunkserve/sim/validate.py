@@ -17,7 +17,8 @@ next to the errors:
 - the machine's speed drifts by 5-20% over minutes (a shared VM). The cost model is therefore
   also scored on the real runs' own steps (predicted vs measured busy time, median per-step
   error): when that error is large, the profile is stale and the latency errors say more about
-  the machine than about the simulator.
+  the machine than about the simulator. Two more calibrations (CALIBRATIONS below) take the
+  step costs from the real runs themselves, out of sample, to show the simulator's own error.
 """
 from __future__ import annotations
 
@@ -196,8 +197,8 @@ def measure_real_runs(args: argparse.Namespace, loaded: Any) -> list[RealRun]:
 
 # ---- which cost model prices each run ----------------------------------------------------------
 # The simulator is only as right as the step costs it is given, and on a shared VM the step
-# costs move: the same workload ran 0-18% slower than the profile predicted from one minute
-# to the next. Scoring three calibrations separates the simulator's error from the machine's.
+# costs move: runs took 0.81-1.22x the busy time a profile predicted, from one 90-second run to
+# the next. Scoring three calibrations separates the simulator's error from the machine's.
 CALIBRATIONS = {
     "profile": "the profile file as given: what `chunkserve sim --hardware profile.json` "
                "predicts (includes the machine's drift since profiling)",
@@ -229,10 +230,10 @@ def run_costs(runs: list[RealRun], calibration: str, profile: CostModel) -> list
     """The cost model that prices each run under `calibration` (see CALIBRATIONS)."""
     if calibration == "profile":
         return [profile] * len(runs)
-    models: dict[str, LinearCostModel] = {}
+    models: dict[tuple[str, str], LinearCostModel] = {}
     costs: list[CostModel] = []
     for run in runs:
-        key = str(run.point.chunk_size)
+        key = (str(run.point.chunk_size), run.point.scheduler)
         if key not in models:
             models[key] = held_out_model(runs, run.point)
         model = models[key]
@@ -269,8 +270,9 @@ def score(runs: list[RealRun], costs: list[CostModel], config: SimConfig,
 def validate(runs: list[RealRun], profile: CostModel, config: SimConfig,
              percentiles: list[float], goodput: dict[str, float] | None) -> dict[str, Any]:
     """validation.json: the rows of every calibration, and the machine's speed per run."""
-    calibrations = [c for c in CALIBRATIONS
-                    if c == "profile" or len({str(r.point.chunk_size) for r in runs}) > 1]
+    # Held out needs another configuration to fit on.
+    several = len({(str(r.point.chunk_size), r.point.scheduler) for r in runs}) > 1
+    calibrations = [c for c in CALIBRATIONS if c == "profile" or several]
     return {
         "calibrations": {c: score(runs, run_costs(runs, c, profile), config, percentiles,
                                   goodput) for c in calibrations},
