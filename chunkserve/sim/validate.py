@@ -226,17 +226,24 @@ def held_out_model(runs: list[RealRun], point: SweepPoint) -> LinearCostModel:
     return LinearCostModel(fit_linear(samples), f"held out {point.chunk_size}")
 
 
+def configurations(runs: list[RealRun]) -> list[SweepPoint]:
+    """The distinct configurations of `runs`, in run order."""
+    points: list[SweepPoint] = []
+    for run in runs:
+        if run.point not in points:
+            points.append(run.point)
+    return points
+
+
 def run_costs(runs: list[RealRun], calibration: str, profile: CostModel) -> list[CostModel]:
     """The cost model that prices each run under `calibration` (see CALIBRATIONS)."""
     if calibration == "profile":
         return [profile] * len(runs)
-    models: dict[tuple[str, str], LinearCostModel] = {}
+    points = configurations(runs)
+    models = [held_out_model(runs, point) for point in points]
     costs: list[CostModel] = []
     for run in runs:
-        key = (str(run.point.chunk_size), run.point.scheduler)
-        if key not in models:
-            models[key] = held_out_model(runs, run.point)
-        model = models[key]
+        model = models[points.index(run.point)]
         costs.append(scaled(model, speed_factor(model, run.steps))
                      if calibration == "held_out_speed" else model)
     return costs
@@ -246,12 +253,8 @@ def score(runs: list[RealRun], costs: list[CostModel], config: SimConfig,
           percentiles: list[float], goodput: dict[str, float] | None) -> list[dict[str, Any]]:
     """One row per configuration: real and simulated metrics pooled over the repeats; run i
     is simulated with costs[i]."""
-    points: list[SweepPoint] = []
-    for run in runs:  # the configurations, in run order
-        if run.point not in points:
-            points.append(run.point)
     rows = []
-    for point in points:
+    for point in configurations(runs):
         mine = [i for i, run in enumerate(runs) if run.point == point]
         real = summarize(pool([runs[i].as_run() for i in mine]), percentiles, goodput)
         sims = [runs[i].simulate(config, costs[i]) for i in mine]
@@ -271,7 +274,7 @@ def validate(runs: list[RealRun], profile: CostModel, config: SimConfig,
              percentiles: list[float], goodput: dict[str, float] | None) -> dict[str, Any]:
     """validation.json: the rows of every calibration, and the machine's speed per run."""
     # Held out needs another configuration to fit on.
-    several = len({(str(r.point.chunk_size), r.point.scheduler) for r in runs}) > 1
+    several = len(configurations(runs)) > 1
     calibrations = [c for c in CALIBRATIONS if c == "profile" or several]
     return {
         "calibrations": {c: score(runs, run_costs(runs, c, profile), config, percentiles,
