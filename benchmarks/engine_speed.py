@@ -28,6 +28,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -214,8 +215,10 @@ def prompt(n: int, salt: int) -> list[int]:
 
 
 def make_engine(loaded: LoadedModel, prefill_sizes: tuple[int, ...],
-                batches: tuple[int, ...], decode_steps: int) -> tuple[LLMEngine, int]:
-    """One engine for both phases (they never overlap). Returns it and the decode max_tokens."""
+                batches: tuple[int, ...], decode_steps: int,
+                **engine_kwargs: Any) -> tuple[LLMEngine, int]:
+    """One engine for both phases (they never overlap). Returns it and the decode max_tokens.
+    `engine_kwargs` add engine flags (gpu_check.py: enforce_eager)."""
     budget = max(max(prefill_sizes), DECODE_CONTEXT)  # >= every prompt: one step per prefill
     max_b = max(batches)
     # Output tokens a decode request may need: one per step while the others still prefill
@@ -230,6 +233,7 @@ def make_engine(loaded: LoadedModel, prefill_sizes: tuple[int, ...],
         max_num_batched_tokens=budget,
         num_kv_blocks=num_blocks,
         block_size=BLOCK_SIZE,
+        **engine_kwargs,
     )
     return engine, max_tokens
 

@@ -15,6 +15,8 @@ PREEMPTION_MODES = ("recompute", "swap")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 DTYPES = ("auto", "float32", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
+LOAD_FORMATS = ("auto", "dummy")  # dummy: random weights from the model's config (vLLM's name)
+ATTENTION_BACKENDS = ("auto", "torch", "triton")  # auto: triton on CUDA, torch on the CPU
 
 # vLLM's server default budget; also the article's "balanced" setting.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
@@ -27,10 +29,20 @@ class ModelConfig:
     max_model_len: int | None = None  # None: the model's own context length
     seed: int = 0
     device: str = "auto"  # auto: cuda when torch sees a GPU, else cpu
+    load_format: str = "auto"  # auto: the weights at `model`; dummy: random ones of its shape
+    attention_backend: str = "auto"
+    enforce_eager: bool = False  # True: no CUDA graphs (vLLM's flag; nothing to do on a CPU)
 
     def verify(self) -> None:
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}.")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}.")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {ATTENTION_BACKENDS}, "
+                f"got {self.attention_backend!r}."
+            )
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}.")
         if self.max_model_len is not None and self.max_model_len < 2:

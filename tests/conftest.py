@@ -10,6 +10,31 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+# Without a GPU, Triton kernels run in Triton's interpreter (numpy, slow): the variable must be
+# set before triton is first imported. On a GPU they compile and run for real.
+if not _has_cuda():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "cuda: needs a CUDA GPU (skipped without one)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if _has_cuda():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def smollm2_path() -> str:
     from chunkserve.model.loader import resolve_model_path

@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 
+import numpy as np
 import pytest
 import torch
 
 from chunkserve.engine.model_runner import ModelRunner
-from chunkserve.model.attention import AttentionMetadata, SeqSpan, block_runs, causal_mask
+from chunkserve.model.batch import BatchLayout
 from chunkserve.model.factory import LoadedModel, load_model
 from chunkserve.model.llama import LlamaModel
 
@@ -16,18 +17,24 @@ def full_logits(model: LlamaModel, ids: list[int], chunk: int | None = None) -> 
     block_size = 16
     n = len(ids)
     runner = ModelRunner(model, num_kv_blocks=-(-n // block_size), block_size=block_size)
-    table = list(range(-(-n // block_size)))
+    table = np.arange(-(-n // block_size), dtype=np.int64)
     chunk = chunk or n
     parts = []
     for start in range(0, n, chunk):
         end = min(start + chunk, n)
-        pos = torch.arange(start, end)
-        slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in pos])
-        mask = causal_mask(start, end - start) if start > 0 and end - start > 1 else None
-        span = SeqSpan(0, end - start, end, block_runs(table, -(-end // block_size)), mask)
-        hidden = model.forward(
-            torch.tensor(ids[start:end]), pos, runner.kv_caches, AttentionMetadata(slots, [span])
+        pos = np.arange(start, end, dtype=np.int64)
+        layout = BatchLayout(
+            input_ids=np.array(ids[start:end], dtype=np.int64),
+            positions=pos,
+            slot_mapping=table[pos // block_size] * block_size + pos % block_size,
+            query_start_loc=np.array([0, end - start], dtype=np.int64),
+            seq_lens=np.array([end], dtype=np.int64),
+            block_table=table[None, : -(-end // block_size)],
+            block_size=block_size,
         )
+        batch = runner.stager.to_device(layout)
+        meta = model.attn.build_metadata(batch)
+        hidden = model.forward(batch.input_ids, batch.positions, runner.kv_caches, meta)
         parts.append(model.compute_logits(hidden))
     return torch.cat(parts)
 

@@ -134,13 +134,12 @@ async def _first_model(session: aiohttp.ClientSession, base_url: str,
 
 
 def _load_tokenizer(candidates: list[str]) -> tuple[str, Any]:
-    from chunkserve.model.loader import resolve_model_path
-    from chunkserve.model.tokenizer import load_tokenizer
+    from chunkserve.model.loader import load_source_tokenizer
 
     errors = []
     for name in dict.fromkeys(c for c in candidates if c):
         try:
-            return name, load_tokenizer(resolve_model_path(name))
+            return name, load_source_tokenizer(name)
         except ValueError as e:
             errors.append(str(e))
     raise ValueError("no usable tokenizer (pass --tokenizer with a chunkserve model name or "

@@ -21,7 +21,14 @@ from chunkserve.bench.sweep import (
 )
 from chunkserve.bench.serve_bench import int_pair
 from chunkserve.bench.workloads import arrival_times, sample_requests
-from chunkserve.config import CHUNKED_SCHEDULERS, DTYPES, NO_CHUNK_SCHEDULERS
+from chunkserve.config import (
+    ATTENTION_BACKENDS,
+    CHUNKED_SCHEDULERS,
+    DEVICES,
+    DTYPES,
+    LOAD_FORMATS,
+    NO_CHUNK_SCHEDULERS,
+)
 
 
 def add_workload_args(p: argparse.ArgumentParser) -> None:
@@ -58,9 +65,15 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_sweep_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--model", default="smollm2-135m",
+                   help="as for serve; a preset (llama-3-8b, ...) runs with random weights")
     p.add_argument("--dtype", choices=DTYPES, default="auto")
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--device", choices=DEVICES, default="auto")
+    p.add_argument("--load-format", choices=LOAD_FORMATS, default="auto")
+    p.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--kv-cache-memory", type=float, default=None, help="GiB (default 2)")
     add_workload_args(p)
 
 
@@ -111,11 +124,16 @@ def run_sweep(args: argparse.Namespace) -> int:
     check_workload_args(args)
     sizes = parse_chunk_sizes(args.chunk_sizes)
     points = sweep_points(sizes, args.scheduler, args.baseline)
-    loaded = load_model(args.model, args.dtype, args.max_model_len)
+    loaded = load_model(
+        args.model, args.dtype, args.max_model_len, args.device, load_format=args.load_format,
+        attention_backend=args.attention_backend, seed=args.seed,
+    )
     requests = workload_from_args(args, loaded.tokenizer)
     check_fits(requests, loaded.max_model_len)
     engine_kwargs: dict[str, Any] = dict(
-        block_size=args.block_size, num_kv_blocks=args.num_kv_blocks, max_num_seqs=args.max_num_seqs
+        block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+        max_num_seqs=args.max_num_seqs, kv_cache_memory=args.kv_cache_memory,
+        enforce_eager=args.enforce_eager,
     )
     rate = args.request_rate
     if args.load is not None:

@@ -4,7 +4,16 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from chunkserve.config import DEVICES, DTYPES, PREEMPTION_MODES, SCHEDULERS, SCHEDULING_POLICIES, EngineConfig
+from chunkserve.config import (
+    ATTENTION_BACKENDS,
+    DEVICES,
+    DTYPES,
+    LOAD_FORMATS,
+    PREEMPTION_MODES,
+    SCHEDULERS,
+    SCHEDULING_POLICIES,
+    EngineConfig,
+)
 
 
 def add_engine_args(p: argparse.ArgumentParser, model_flag: bool = True) -> None:
@@ -17,6 +26,13 @@ def add_engine_args(p: argparse.ArgumentParser, model_flag: bool = True) -> None
     p.add_argument("--device", choices=DEVICES, default="auto",
                    help="auto: cuda when torch sees a GPU (untested here: no GPU), else cpu")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--load-format", choices=LOAD_FORMATS, default="auto",
+                   help="dummy: random weights of the model's shape (a preset such as "
+                        "llama-3-8b always is)")
+    p.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
+                   help="auto: triton on CUDA, torch on the CPU")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="no CUDA graphs for decode steps (nothing to do on a CPU)")
     g = p.add_argument_group("scheduling")
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None)
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
@@ -36,7 +52,8 @@ def add_engine_args(p: argparse.ArgumentParser, model_flag: bool = True) -> None
 
 
 ENGINE_KEYS = (
-    "model", "dtype", "device", "max_model_len", "seed", "enable_chunked_prefill",
+    "model", "dtype", "device", "max_model_len", "seed", "load_format", "attention_backend",
+    "enforce_eager", "enable_chunked_prefill",
     "max_num_batched_tokens", "max_num_seqs", "scheduler", "long_prefill_token_threshold",
     "scheduling_policy", "block_size", "kv_cache_memory", "num_kv_blocks", "preemption_mode",
     "swap_space", "trace_file",

@@ -42,7 +42,10 @@ class LLMEngine:
         self.clock = clock
         mc, cc, sc = config.model_config, config.cache_config, config.scheduler_config
         if loaded is None:
-            loaded = load_model(mc.model, mc.dtype, mc.max_model_len, mc.device)
+            loaded = load_model(
+                mc.model, mc.dtype, mc.max_model_len, mc.device, load_format=mc.load_format,
+                attention_backend=mc.attention_backend, seed=mc.seed,
+            )
         elif mc.max_model_len is not None and mc.max_model_len > loaded.max_model_len:
             raise ValueError(
                 f"max_model_len ({mc.max_model_len}) exceeds the shared model's "
@@ -71,7 +74,10 @@ class LLMEngine:
         self.eos_token_ids = loaded.config.eos_token_ids or (
             [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
         )
-        self.runner = ModelRunner(loaded.model, num_blocks, cc.block_size, num_swap)
+        self.runner = ModelRunner(
+            loaded.model, num_blocks, cc.block_size, num_swap, enforce_eager=mc.enforce_eager,
+            max_num_seqs=sc.max_num_seqs, max_model_len=self.max_model_len,
+        )
         self.trace = StepTrace(config.trace_file)
         self._states: dict[str, _RequestState] = {}
         self._step_count = 0

@@ -6,8 +6,10 @@ from dataclasses import dataclass, field
 import torch
 
 from chunkserve.core.sched_output import SchedulerOutput
+from chunkserve.engine.cuda_graph import CUDAGraphRunner, capture_sizes
+from chunkserve.engine.input_batch import build_layout, sample_rows
 from chunkserve.engine.sampler import Sampler, SamplingRow
-from chunkserve.model.attention import AttentionMetadata, SeqSpan, block_runs, causal_mask
+from chunkserve.model.batch import BatchLayout, DeviceStager
 from chunkserve.model.llama import LlamaModel
 
 
@@ -31,6 +33,10 @@ class ModelRunner:
         num_kv_blocks: int,
         block_size: int,
         num_swap_blocks: int = 0,
+        *,
+        enforce_eager: bool = False,
+        max_num_seqs: int = 256,
+        max_model_len: int | None = None,
     ) -> None:
         self.model = model
         self.block_size = block_size
@@ -48,6 +54,23 @@ class ModelRunner:
         )
         self.sampler = Sampler()
         self._generators: dict[str, torch.Generator] = {}
+        self.stager = DeviceStager(self.device)
+        self.graphs = self._capture_graphs(enforce_eager, max_num_seqs, max_model_len)
+
+    def _capture_graphs(
+        self, enforce_eager: bool, max_num_seqs: int, max_model_len: int | None
+    ) -> CUDAGraphRunner | None:
+        """CUDA graphs for decode steps, where they can run: on CUDA, with a graph-safe
+        attention backend, unless --enforce-eager. On the CPU there is nothing to do."""
+        if enforce_eager or self.device.type != "cuda" or not self.model.attn.supports_cuda_graphs:
+            return None
+        max_len = max_model_len or self.model.rope.max_positions
+        graphs = CUDAGraphRunner(
+            self.model, self.kv_caches, self.stager, capture_sizes(max_num_seqs),
+            -(-max_len // self.block_size), self.block_size,
+        )
+        graphs.capture()
+        return graphs
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
@@ -57,46 +80,28 @@ class ModelRunner:
         self._swap(out)
         if not out.scheduled:
             return RunnerOutput()
-
-        token_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        seqs: list[SeqSpan] = []
-        sample_rows: list[int] = []  # flat index of the last token of each sampling request
-        bs = self.block_size
-        for sr in out.scheduled:
-            n, start = sr.num_new_tokens, sr.start
-            table = sr.block_table
-            q_start = len(token_ids)
-            token_ids += sr.token_ids
-            pos = range(start, start + n)
-            positions += pos
-            slots += [table[p // bs] * bs + p % bs for p in pos]
-            ctx = start + n
-            mask = causal_mask(start, n, self.device) if n > 1 and start > 0 else None
-            seqs.append(SeqSpan(q_start, n, ctx, block_runs(table, -(-ctx // bs)), mask))
-            if sr.samples:
-                sample_rows.append(q_start + n - 1)
-
-        dev = self.device
-        meta = AttentionMetadata(torch.tensor(slots, dtype=torch.long, device=dev), seqs)
-        hidden = self.model.forward(
-            torch.tensor(token_ids, dtype=torch.long, device=dev),
-            torch.tensor(positions, dtype=torch.long, device=dev),
-            self.kv_caches,
-            meta,
-        )
+        layout = build_layout(out.scheduled, self.block_size)
+        hidden = self._forward(layout)
         samplers = [sr for sr in out.scheduled if sr.samples]
         if not samplers:
             return RunnerOutput()
-        logits = self.model.compute_logits(hidden[sample_rows])
-        rows = [self._row(sr.request) for sr in samplers]
-        result = self.sampler(logits, rows)
+        rows = torch.from_numpy(sample_rows(out.scheduled, layout)).to(self.device)
+        logits = self.model.compute_logits(hidden[rows])
+        result = self.sampler(logits, [self._row(sr.request) for sr in samplers])
         ids = [sr.request.request_id for sr in samplers]
         logprobs = {}
         if result.logprobs is not None:
             logprobs = {rid: lp for rid, lp in zip(ids, result.logprobs) if lp}
         return RunnerOutput(dict(zip(ids, result.token_ids)), logprobs)
+
+    def _forward(self, layout: BatchLayout) -> torch.Tensor:
+        if self.graphs is not None:
+            hidden = self.graphs.run(layout)
+            if hidden is not None:
+                return hidden
+        batch = self.stager.to_device(layout)
+        meta = self.model.attn.build_metadata(batch)
+        return self.model.forward(batch.input_ids, batch.positions, self.kv_caches, meta)
 
     def _row(self, req) -> SamplingRow:  # type: ignore[no-untyped-def]
         params = req.sampling_params

@@ -6,10 +6,11 @@ from functools import lru_cache
 
 import torch
 
+from chunkserve.model.attention_select import make_attention_backend
 from chunkserve.model.llama import LlamaModel
 from chunkserve.model.llama_config import LlamaConfig
-from chunkserve.model.tokenizer import Tokenizer, load_tokenizer
-from chunkserve.model.loader import load_weights, resolve_model_path
+from chunkserve.model.loader import load_source
+from chunkserve.model.tokenizer import Tokenizer
 
 
 @dataclass
@@ -54,11 +55,23 @@ def resolve_dtype(name: str, device: torch.device | None = None) -> torch.dtype:
 
 
 def load_model(
-    name: str, dtype: str = "auto", max_model_len: int | None = None, device: str = "auto"
+    name: str,
+    dtype: str = "auto",
+    max_model_len: int | None = None,
+    device: str = "auto",
+    *,
+    load_format: str = "auto",
+    attention_backend: str = "auto",
+    seed: int = 0,
 ) -> LoadedModel:
-    path = resolve_model_path(name)
-    config, weights = load_weights(path)
-    tokenizer = load_tokenizer(path)
+    """`name` is the default model, a .gguf file, a HF folder or a model preset (random weights).
+
+    `load_format="dummy"` keeps the named model's config and tokenizer but draws random weights
+    (seeded), built directly on the device in the compute dtype, so no weights are read.
+    """
+    dev = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, dev)
+    path, config, weights, tokenizer = load_source(name, load_format, seed, dev, torch_dtype)
     limit = config.max_position_embeddings
     if max_model_len is None:
         max_model_len = limit
@@ -66,8 +79,8 @@ def load_model(
         raise ValueError(
             f"max_model_len ({max_model_len}) is larger than the model's context length ({limit})."
         )
-    dev = resolve_device(device)
+    attention = make_attention_backend(attention_backend, config, dev)
     model = LlamaModel(
-        config, weights, resolve_dtype(dtype, dev), max_positions=max_model_len, device=dev
+        config, weights, torch_dtype, max_positions=max_model_len, attention=attention, device=dev
     )
     return LoadedModel(path, config, model, tokenizer, max_model_len)

@@ -6,6 +6,8 @@ order that llama.cpp's converter rewrites.
 """
 from __future__ import annotations
 
+import os
+from functools import lru_cache
 from typing import Any
 
 import gguf
@@ -43,6 +45,19 @@ _LAYER_NAMES = {
 }
 # Not weights: llama.cpp stores Llama-3 rope scaling as a precomputed tensor; it becomes config.
 _ROPE_FREQS = "rope_freqs.weight"
+
+
+def open_gguf(path: str) -> gguf.GGUFReader:
+    """The parsed file, shared by the config, weight and tokenizer readers: parsing the metadata
+    of a 49k-token vocabulary takes seconds, and every model load reads the file twice. The
+    reader only memory-maps the file, so keeping it costs no RAM; a changed file is re-read."""
+    stat = os.stat(path)
+    return _open_gguf(os.path.abspath(path), stat.st_mtime_ns, stat.st_size)
+
+
+@lru_cache(maxsize=2)
+def _open_gguf(path: str, mtime_ns: int, size: int) -> gguf.GGUFReader:
+    return gguf.GGUFReader(path)
 
 
 def gguf_field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
@@ -167,9 +182,15 @@ def _read_config(reader: gguf.GGUFReader, path: str) -> LlamaConfig:
     )
 
 
+def read_gguf_config(path: str) -> LlamaConfig:
+    """The config from a GGUF file's metadata alone (`--load-format dummy`): the reader maps the
+    file and parses the tensor index, but no tensor is dequantized (beyond a rope_freqs one)."""
+    return _read_config(open_gguf(path), path)
+
+
 def load_gguf(path: str) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
     """Config and float32 tensors under HF Llama names from a llama-architecture GGUF file."""
-    reader = gguf.GGUFReader(path)
+    reader = open_gguf(path)
     config = _read_config(reader, path)
     weights: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:

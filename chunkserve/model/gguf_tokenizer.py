@@ -9,11 +9,10 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-import gguf
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from chunkserve.model.gguf_loader import gguf_field
+from chunkserve.model.gguf_loader import gguf_field, open_gguf
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +59,7 @@ def _pre_tokenizer(pre: str | None) -> pre_tokenizers.PreTokenizer:
 
 
 def load_gguf_tokenizer(path: str) -> GGUFTokenizerSpec:
-    reader = gguf.GGUFReader(path)
+    reader = open_gguf(path)
     kind = gguf_field(reader, "tokenizer.ggml.model")
     if kind != "gpt2":
         raise ValueError(

@@ -6,6 +6,7 @@ import os
 from glob import glob
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from chunkserve.model.llama_config import LlamaConfig
@@ -37,12 +38,45 @@ def _read_config(path: str) -> LlamaConfig:
         raise ValueError(f"{path}: Llama variants with attention/MLP biases are not supported.")
     if raw.get("hidden_act", "silu") != "silu":
         raise ValueError(f"{path}: hidden_act {raw['hidden_act']!r} is not supported (only silu).")
-    config = LlamaConfig.from_hf_dict(raw)
+    try:
+        config = LlamaConfig.from_hf_dict(raw)
+    except KeyError as e:
+        raise ValueError(f"{path}: config.json lacks {e.args[0]!r}.") from None
     window = raw.get("sliding_window")
     if window is not None and window < config.max_position_embeddings:
         # Up to the window, sliding-window attention is full attention; capping the context
         # keeps the model exact instead of silently attending too far back.
         config.max_position_embeddings = int(window)
+    return config
+
+
+def _tensor_names(path: str, files: list[str]) -> set[str]:
+    # Only the names: from the shard index, or from each file's header (no tensor is read).
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as f:
+            return set(json.load(f)["weight_map"])
+    names: set[str] = set()
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            names.update(f.keys())
+    return names
+
+
+def read_hf_config(path: str) -> LlamaConfig:
+    """The config of a checkpoint folder, without reading its weights (`--load-format dummy`).
+
+    A folder with config.json alone is enough; safetensors files, if any, settle tying.
+    """
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ValueError(f"{path}: not a Hugging Face model folder (no config.json).")
+    config = _read_config(path)
+    files = _safetensors_files(path)
+    if files:
+        # The head decides tying, not the config flag: a file without lm_head can only be tied,
+        # and one that has it is used as-is (equal to the embedding anyway when the config says
+        # tied).
+        config.tie_word_embeddings = "lm_head.weight" not in _tensor_names(path, files)
     return config
 
 
@@ -53,7 +87,7 @@ def load_hf_dir(path: str) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
     files = _safetensors_files(path)
     if not files:
         raise ValueError(f"{path}: no *.safetensors files (only safetensors checkpoints are supported).")
-    config = _read_config(path)
+    config = read_hf_config(path)
 
     weights: dict[str, torch.Tensor] = {}
     for file in files:
@@ -63,7 +97,4 @@ def load_hf_dir(path: str) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
             if not name.startswith(("model.", "lm_head.")):
                 name = f"model.{name}"  # saved from the bare LlamaModel, without the LM wrapper
             weights[name] = tensor.to(torch.float32)
-    # The head decides tying, not the config flag: a file without lm_head can only be tied, and
-    # one that has it is used as-is (equal to the embedding anyway when the config says tied).
-    config.tie_word_embeddings = "lm_head.weight" not in weights
     return config, weights

@@ -61,15 +61,19 @@ class RotaryEmbedding:
         self.sin = freqs.sin().to(device)
         self.max_positions = max_positions
 
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows for this step's positions, [T, 1, head_dim / 2]: gathered once per step and
+        shared by every layer."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
     def __call__(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, heads, head_dim], k: [T, kv_heads, head_dim]; returns float32 rotated copies."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        cos, sin = self.cos_sin(positions)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

@@ -6,25 +6,38 @@ q/k/v and gate/up are fused into single matrices: fewer, larger GEMMs are faster
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
-from chunkserve.model.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention
-from chunkserve.model.layers import RotaryEmbedding, rms_norm, silu_and_mul
+from chunkserve.model.attention import AttentionBackend
+from chunkserve.model.attention_torch import TorchPagedAttention
+from chunkserve.model.layers import RotaryEmbedding, apply_rotary, rms_norm, silu_and_mul
 from chunkserve.model.llama_config import LlamaConfig
 
 
+def _take(w: dict[str, torch.Tensor], name: str, dtype: torch.dtype, device: torch.device):  # type: ignore[no-untyped-def]
+    # Popped, and converted straight to its final device and dtype: the loader's copy is
+    # dropped tensor by tensor, so building the model never holds two copies of it (an 8B
+    # model is 32 GB in float32).
+    return w.pop(name).to(device=device, dtype=dtype)
+
+
 class LlamaLayer:
-    def __init__(self, cfg: LlamaConfig, w: dict[str, torch.Tensor], i: int, dtype: torch.dtype):
+    def __init__(self, cfg: LlamaConfig, w: dict[str, torch.Tensor], i: int, dtype: torch.dtype,
+                 device: torch.device):
         p = f"model.layers.{i}."
-        self.input_norm = w[p + "input_layernorm.weight"].to(dtype)
-        self.post_norm = w[p + "post_attention_layernorm.weight"].to(dtype)
-        a = p + "self_attn."
-        self.qkv = torch.cat([w[a + n + "_proj.weight"] for n in "qkv"]).to(dtype).contiguous()
-        self.o = w[a + "o_proj.weight"].to(dtype).contiguous()
-        m = p + "mlp."
-        self.gate_up = torch.cat([w[m + "gate_proj.weight"], w[m + "up_proj.weight"]]).to(dtype)
-        self.down = w[m + "down_proj.weight"].to(dtype).contiguous()
+
+        def take(name: str) -> torch.Tensor:
+            return _take(w, p + name, dtype, device)
+
+        self.input_norm = take("input_layernorm.weight")
+        self.post_norm = take("post_attention_layernorm.weight")
+        self.qkv = torch.cat([take(f"self_attn.{n}_proj.weight") for n in "qkv"]).contiguous()
+        self.o = take("self_attn.o_proj.weight").contiguous()
+        self.gate_up = torch.cat([take("mlp.gate_proj.weight"), take("mlp.up_proj.weight")])
+        self.down = take("mlp.down_proj.weight").contiguous()
         self.q_size = cfg.num_attention_heads * cfg.head_dim  # type: ignore[operator]
         self.kv_size = cfg.num_key_value_heads * cfg.head_dim  # type: ignore[operator]
 
@@ -39,6 +52,7 @@ class LlamaModel:
         attention: AttentionBackend | None = None,
         device: torch.device | str = "cpu",
     ) -> None:
+        """Consumes `weights`: each tensor is removed from the dict as the model takes it."""
         self.cfg = cfg
         self.device = torch.device(device)
         self.dtype = dtype  # of the linear layers' weights and inputs
@@ -46,13 +60,15 @@ class LlamaModel:
         # no faster in bfloat16 and its decode path is ~2x slower, while the linears gain ~4x.
         # On CUDA the KV cache takes the model dtype, as in every GPU engine.
         self.kv_dtype = torch.float32 if self.device.type == "cpu" else dtype
-        if self.device.type != "cpu":
-            weights = {k: v.to(self.device) for k, v in weights.items()}
-        self.embed = weights["model.embed_tokens.weight"].to(dtype)
-        head = weights.get("lm_head.weight")
-        self.lm_head = self.embed if head is None or cfg.tie_word_embeddings else head.to(dtype)
-        self.norm = weights["model.norm.weight"].to(dtype)
-        self.layers = [LlamaLayer(cfg, weights, i, dtype) for i in range(cfg.num_hidden_layers)]
+        dev = self.device
+        self.embed = _take(weights, "model.embed_tokens.weight", dtype, dev)
+        head = weights.pop("lm_head.weight", None)
+        tied = head is None or cfg.tie_word_embeddings
+        self.lm_head = self.embed if tied else head.to(device=dev, dtype=dtype)  # type: ignore[union-attr]
+        self.norm = _take(weights, "model.norm.weight", dtype, dev)
+        self.layers = [
+            LlamaLayer(cfg, weights, i, dtype, dev) for i in range(cfg.num_hidden_layers)
+        ]
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim: int = cfg.head_dim  # type: ignore[assignment]
@@ -71,10 +87,11 @@ class LlamaModel:
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        meta: AttentionMetadata,
+        meta: Any,  # from self.attn.build_metadata
     ) -> torch.Tensor:
         """Returns the final-norm hidden states, [T, hidden]."""
         eps = self.cfg.rms_norm_eps
+        cos, sin = self.rope.cos_sin(positions)
         # The residual stream stays in float32; only the GEMM inputs use the compute dtype.
         h = self.embed[input_ids].float()
         T = h.shape[0]
@@ -85,8 +102,8 @@ class LlamaModel:
             q = q.view(T, self.num_heads, self.head_dim)
             k = k.view(T, self.num_kv_heads, self.head_dim)
             v = v.view(T, self.num_kv_heads, self.head_dim).to(self.kv_dtype)
-            q, k = self.rope(positions, q, k)  # float32 out
-            q, k = q.to(self.kv_dtype), k.to(self.kv_dtype)
+            q = apply_rotary(q, cos, sin).to(self.kv_dtype)  # float32 until here
+            k = apply_rotary(k, cos, sin).to(self.kv_dtype)
             attn = self.attn.forward(q, k, v, k_cache, v_cache, meta)
             h = h + F.linear(attn.to(self.dtype), layer.o).float()
             x = rms_norm(h, layer.post_norm, eps)

@@ -6,9 +6,14 @@ import os
 
 import torch
 
-from chunkserve.model.gguf_loader import load_gguf
-from chunkserve.model.hf_loader import load_hf_dir
+from chunkserve.config import LOAD_FORMATS
+from chunkserve.model.dummy import dummy_weights
+from chunkserve.model.gguf_loader import load_gguf, read_gguf_config
+from chunkserve.model.hf_loader import load_hf_dir, read_hf_config
 from chunkserve.model.llama_config import LlamaConfig
+from chunkserve.model.tokenizer import Tokenizer, load_bundled_tokenizer, load_tokenizer
+from chunkserve.model.weight_shapes import expected_shapes
+from chunkserve.presets import model_preset, model_preset_names
 
 DEFAULT_MODEL = "smollm2-135m"
 _DEFAULT_ALIASES = {DEFAULT_MODEL, "huggingfacetb/smollm2-135m-instruct"}
@@ -41,36 +46,17 @@ def resolve_model_path(name: str) -> str:
         return path
     raise ValueError(
         f"model {name!r} not found: expected {DEFAULT_MODEL!r}, a .gguf file or a HF folder with "
-        "config.json and *.safetensors"
+        "config.json and *.safetensors, or a model preset (random weights): "
+        + ", ".join(n for n in model_preset_names() if n != DEFAULT_MODEL)
     )
 
 
-def expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor a Llama model with this config needs, with its HF shape."""
-    assert config.head_dim is not None  # set by LlamaConfig.__post_init__
-    hidden, inter = config.hidden_size, config.intermediate_size
-    q_rows = config.num_attention_heads * config.head_dim
-    kv_rows = config.num_key_value_heads * config.head_dim
-    shapes: dict[str, tuple[int, ...]] = {
-        "model.embed_tokens.weight": (config.vocab_size, hidden),
-        "model.norm.weight": (hidden,),
-    }
-    if not config.tie_word_embeddings:
-        shapes["lm_head.weight"] = (config.vocab_size, hidden)
-    for i in range(config.num_hidden_layers):
-        p = f"model.layers.{i}."
-        shapes.update({
-            p + "input_layernorm.weight": (hidden,),
-            p + "self_attn.q_proj.weight": (q_rows, hidden),
-            p + "self_attn.k_proj.weight": (kv_rows, hidden),
-            p + "self_attn.v_proj.weight": (kv_rows, hidden),
-            p + "self_attn.o_proj.weight": (hidden, q_rows),
-            p + "post_attention_layernorm.weight": (hidden,),
-            p + "mlp.gate_proj.weight": (inter, hidden),
-            p + "mlp.up_proj.weight": (inter, hidden),
-            p + "mlp.down_proj.weight": (hidden, inter),
-        })
-    return shapes
+def is_model_preset(name: str) -> bool:
+    """Whether `--model name` means a preset: not the default model (its real GGUF wins over
+    the preset of the same name) and not a file or folder that exists here."""
+    if name.lower() in _DEFAULT_ALIASES or os.path.exists(os.path.expanduser(name)):
+        return False
+    return name in model_preset_names()
 
 
 def _check_weights(path: str, config: LlamaConfig, weights: dict[str, torch.Tensor]) -> None:
@@ -90,6 +76,15 @@ def _check_weights(path: str, config: LlamaConfig, weights: dict[str, torch.Tens
             raise ValueError(f"{path}: tensor {name} has shape {got}, expected {shape}.")
 
 
+def load_config(path: str) -> LlamaConfig:
+    """The config of a resolved model path, without reading any weights."""
+    if os.path.isdir(path):
+        return read_hf_config(path)
+    if path.endswith(".gguf") and os.path.isfile(path):
+        return read_gguf_config(path)
+    raise ValueError(f"{path}: expected a .gguf file or a HF folder with config.json.")
+
+
 def load_weights(path: str) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
     """Config and float32 tensors under HF Llama names, from a .gguf file or a HF folder."""
     if os.path.isdir(path):
@@ -100,3 +95,38 @@ def load_weights(path: str) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
         raise ValueError(f"{path}: expected a .gguf file or a HF folder with config.json and *.safetensors.")
     _check_weights(path, config, weights)
     return config, weights
+
+
+def load_source_tokenizer(name: str) -> Tokenizer:
+    """The tokenizer the engine uses for a `--model` value, preset or not (benchmark clients
+    must encode prompts exactly as the server does)."""
+    if is_model_preset(name):
+        return _preset_tokenizer(LlamaConfig.from_hf_dict(model_preset(name)))
+    return load_tokenizer(resolve_model_path(name))
+
+
+def _preset_tokenizer(config: LlamaConfig) -> Tokenizer:
+    # Presets have no tokenizer of their own: SmolLM2's stands in. A larger model vocabulary is
+    # kept (its ids past 49152 decode to ""); a smaller one folds the tokenizer's ids into it.
+    return load_bundled_tokenizer().fold_to_vocab(config.vocab_size)
+
+
+def load_source(
+    name: str, load_format: str, seed: int, device: torch.device, dtype: torch.dtype
+) -> tuple[str, LlamaConfig, dict[str, torch.Tensor], Tokenizer]:
+    """Path (or preset name), config, weights and tokenizer for a `--model` value.
+
+    A preset always gets random weights, whatever `load_format` says: it has no others. With
+    `load_format="dummy"` a real model contributes only its config and tokenizer.
+    """
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}.")
+    if is_model_preset(name):
+        config = LlamaConfig.from_hf_dict(model_preset(name))
+        return name, config, dummy_weights(config, seed, device, dtype), _preset_tokenizer(config)
+    path = resolve_model_path(name)
+    if load_format == "dummy":
+        config = load_config(path)
+        return path, config, dummy_weights(config, seed, device, dtype), load_tokenizer(path)
+    config, weights = load_weights(path)
+    return path, config, weights, load_tokenizer(path)

@@ -2,6 +2,8 @@
 (BOS/EOS ids, whether BOS is prepended, the chat template), from a GGUF file or a HF folder."""
 from __future__ import annotations
 
+import copy
+import gzip
 import json
 import os
 from typing import Any, overload
@@ -10,6 +12,9 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from chunkserve.model.chat_template import render_chat_template
 from chunkserve.model.gguf_tokenizer import load_gguf_tokenizer
+from chunkserve.presets import DATA_DIR
+
+BUNDLED_TOKENIZER_DIR = os.path.join(DATA_DIR, "tokenizer")
 
 
 def _token_text(value: Any) -> str | None:
@@ -36,6 +41,8 @@ class Tokenizer:
         self._add_bos = add_bos and bos_token_id is not None
         self._add_eos = add_eos and eos_token_id is not None
         self._chat_template = chat_template
+        self._vocab_limit: int | None = None  # see fold_to_vocab
+        self._fold_base = 0
 
     @classmethod
     def from_gguf(cls, path: str) -> Tokenizer:
@@ -50,18 +57,33 @@ class Tokenizer:
             raise ValueError(
                 f"{path}: no tokenizer.json (slow/sentencepiece-only tokenizers are not supported)."
             )
-        tokenizer = HFTokenizer.from_file(tok_file)
         config: dict[str, Any] = {}
         config_file = os.path.join(path, "tokenizer_config.json")
         if os.path.isfile(config_file):
             with open(config_file, encoding="utf-8") as f:
                 config = json.load(f)
         # Newer transformers save the template as its own file rather than inside the config.
-        template = _pick_template(config.get("chat_template"))
         template_file = os.path.join(path, "chat_template.jinja")
-        if template is None and os.path.isfile(template_file):
+        if _pick_template(config.get("chat_template")) is None and os.path.isfile(template_file):
             with open(template_file, encoding="utf-8") as f:
-                template = f.read()
+                config = {**config, "chat_template": f.read()}
+        return cls._from_hf_config(HFTokenizer.from_file(tok_file), config)
+
+    @classmethod
+    def from_bundled(cls) -> Tokenizer:
+        """SmolLM2's tokenizer, shipped in chunkserve/data/tokenizer for models that have none
+        (presets with random weights); exported by benchmarks/export_tokenizer.py."""
+        with gzip.open(os.path.join(BUNDLED_TOKENIZER_DIR, "tokenizer.json.gz"), "rt",
+                       encoding="utf-8") as f:
+            tokenizer = HFTokenizer.from_str(f.read())
+        config_file = os.path.join(BUNDLED_TOKENIZER_DIR, "tokenizer_config.json")
+        with open(config_file, encoding="utf-8") as f:
+            config = json.load(f)
+        return cls._from_hf_config(tokenizer, config)
+
+    @classmethod
+    def _from_hf_config(cls, tokenizer: HFTokenizer, config: dict[str, Any]) -> Tokenizer:
+        """A tokenizer.json's tokenizer plus its tokenizer_config.json facts."""
 
         def token_id(key: str) -> int | None:
             text = _token_text(config.get(key))
@@ -74,12 +96,30 @@ class Tokenizer:
         post_adds_bos = bos_id is not None and bos_id in with_special
         return cls(tokenizer, bos_token_id=bos_id, eos_token_id=token_id("eos_token"),
                    add_bos=bool(config.get("add_bos_token", False)) and not post_adds_bos,
-                   add_eos=False, chat_template=template)
+                   add_eos=False, chat_template=_pick_template(config.get("chat_template")))
+
+    def fold_to_vocab(self, vocab_size: int) -> Tokenizer:
+        """This tokenizer for a model whose vocabulary is smaller (a preset such as llama-2-13b,
+        32000 ids, run with the bundled 49152-id tokenizer): ids past it wrap around.
+
+        Wrapping keeps every prompt's token count, which is what a benchmark of random weights
+        measures; rejecting the prompt, or widening the model's vocabulary, would not. Wrapped
+        ids skip the control tokens at the start of the vocabulary, so text never turns into one.
+        """
+        folded = copy.copy(self)
+        if vocab_size < self.vocab_size:
+            folded._vocab_limit = vocab_size
+            folded._fold_base = 1 + max((i for i in self.all_special_ids if i < vocab_size),
+                                        default=-1)
+        return folded
 
     # --- encoding -----------------------------------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids: list[int] = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        limit, base = self._vocab_limit, self._fold_base
+        if limit is not None:
+            ids = [i if i < limit else base + (i - base) % (limit - base) for i in ids]
         if add_special_tokens and self._add_bos:
             ids = [self._bos_id, *ids]  # type: ignore[list-item]  # _add_bos implies an id
         if add_special_tokens and self._add_eos:
@@ -111,13 +151,15 @@ class Tokenizer:
 
     @property
     def vocab_size(self) -> int:
-        return self._tok.get_vocab_size(with_added_tokens=True)
+        size = self._tok.get_vocab_size(with_added_tokens=True)
+        return size if self._vocab_limit is None else min(size, self._vocab_limit)
 
     @property
     def all_special_ids(self) -> list[int]:
         ids = {i for i, tok in self._tok.get_added_tokens_decoder().items() if tok.special}
         ids.update(i for i in (self._bos_id, self._eos_id) if i is not None)
-        return sorted(ids)
+        limit = self._vocab_limit
+        return sorted(i for i in ids if limit is None or i < limit)
 
     @property
     def chat_template(self) -> str | None:
@@ -144,3 +186,7 @@ def load_tokenizer(path: str) -> Tokenizer:
     if path.endswith(".gguf"):
         return Tokenizer.from_gguf(path)
     raise ValueError(f"{path}: expected a .gguf file or a HF folder with tokenizer.json.")
+
+
+def load_bundled_tokenizer() -> Tokenizer:
+    return Tokenizer.from_bundled()

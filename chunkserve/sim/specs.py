@@ -1,4 +1,8 @@
-"""Hardware and model descriptions for the simulator, from the TOML presets or a config.json."""
+"""Hardware and model descriptions for the simulator, from the TOML presets or a config.json.
+
+Hardware presets live beside this module; model presets are shared with the engine's loader
+(chunkserve/presets.py).
+"""
 from __future__ import annotations
 
 import json
@@ -6,6 +10,8 @@ import os
 import tomllib
 from dataclasses import dataclass, fields
 from typing import Any
+
+from chunkserve.presets import model_preset, model_preset_names
 
 _DATA = os.path.join(os.path.dirname(__file__), "data")
 
@@ -94,7 +100,7 @@ def hardware_names() -> list[str]:
 
 
 def model_names() -> list[str]:
-    return sorted(_load("models.toml"))
+    return model_preset_names()
 
 
 def get_hardware(name: str) -> HardwareSpec:
@@ -107,21 +113,26 @@ def get_hardware(name: str) -> HardwareSpec:
 
 def get_model(name_or_path: str) -> ModelSpec:
     """A preset name, or a path to a HF config.json (or a folder holding one)."""
-    presets = _load("models.toml")
-    if name_or_path in presets:
-        return ModelSpec(name=name_or_path, **presets[name_or_path])
+    if name_or_path in model_preset_names():
+        return _spec_from_hf(name_or_path, model_preset(name_or_path), "preset " + name_or_path)
     path = name_or_path
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
     if not os.path.isfile(path):
-        raise ValueError(f"unknown model {name_or_path!r}; presets: {', '.join(sorted(presets))}, "
-                         "or a path to a HF config.json")
+        raise ValueError(f"unknown model {name_or_path!r}; presets: "
+                         f"{', '.join(model_preset_names())}, or a path to a HF config.json")
     with open(path) as f:
         cfg = json.load(f)
+    return _spec_from_hf(os.path.basename(os.path.dirname(os.path.abspath(path))), cfg, path)
+
+
+def _spec_from_hf(name: str, cfg: dict[str, Any], source: str) -> ModelSpec:
+    # Only the shape fields: a config.json (or a preset, which also carries what the engine needs
+    # to run the model: rope_theta, eps, token ids) has many keys the simulator has no use for.
     keys = {f.name for f in fields(ModelSpec)} - {"name", "dtype_bytes"}
     try:
         values = {k: cfg[k] for k in keys if k in cfg}
         values.setdefault("num_key_value_heads", cfg["num_attention_heads"])
-        return ModelSpec(name=os.path.basename(os.path.dirname(os.path.abspath(path))), **values)
+        return ModelSpec(name=name, **values)
     except (KeyError, TypeError) as e:
-        raise ValueError(f"{path}: not a Llama-style config.json ({e})") from None
+        raise ValueError(f"{source}: not a Llama-style config.json ({e})") from None

@@ -1,0 +1,48 @@
+"""Which attention backend a model runs with: `--attention-backend auto|torch|triton`."""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+from chunkserve.model.attention import AttentionBackend
+from chunkserve.model.attention_torch import TorchPagedAttention
+from chunkserve.model.llama_config import LlamaConfig
+
+
+def triton_interpreted() -> bool:
+    """Whether Triton kernels run in its interpreter (numpy on the CPU), for tests."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def check_triton(device: torch.device) -> None:
+    """Raises a ValueError that says why Triton kernels cannot run here, if they cannot."""
+    if importlib.util.find_spec("triton") is None:
+        raise ValueError(
+            "attention backend 'triton' needs the triton package, which is not installed "
+            "(pip install triton), or use --attention-backend torch."
+        )
+    if device.type == "cpu" and not triton_interpreted():
+        raise ValueError(
+            "attention backend 'triton' runs on CUDA GPUs; on the CPU it runs only in Triton's "
+            "interpreter (set TRITON_INTERPRET=1, slow: for tests). Use --attention-backend torch."
+        )
+
+
+def make_attention_backend(name: str, config: LlamaConfig, device: torch.device) -> AttentionBackend:
+    if name == "auto":
+        # Triton ships with CUDA builds of torch; without it a GPU still runs, just slower.
+        on_gpu = device.type == "cuda" and importlib.util.find_spec("triton") is not None
+        name = "triton" if on_gpu else "torch"
+    heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    assert head_dim is not None
+    if name == "torch":
+        return TorchPagedAttention(heads, kv_heads, head_dim)
+    if name == "triton":
+        check_triton(device)
+        # Imported only here: importing triton is slow and the CPU path never needs it.
+        from chunkserve.model.attention_triton import TritonPagedAttention
+
+        return TritonPagedAttention(heads, kv_heads, head_dim)
+    raise ValueError(f"attention backend must be auto, torch or triton, got {name!r}.")

@@ -1,0 +1,35 @@
+"""Random weights of a model's shape (vLLM's `--load-format dummy`): serving benchmarks of models
+whose weights are not here, or not worth reading, with the exact compute and memory of the real
+ones."""
+from __future__ import annotations
+
+import torch
+
+from chunkserve.model.llama_config import LlamaConfig
+from chunkserve.model.weight_shapes import expected_shapes
+
+# HF's initializer_range for Llama. With unit RMSNorm weights each layer adds O(1) to the
+# float32 residual stream, so 80 layers stay far from bf16's range, and the logits (std ~1 for
+# hidden 4096) are spread enough that greedy decoding is not a tie-break between equal values.
+INIT_STD = 0.02
+
+
+def dummy_weights(
+    config: LlamaConfig, seed: int, device: torch.device, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """Every tensor `expected_shapes(config)` lists: norms 1, the rest normal(0, INIT_STD).
+
+    Each tensor is drawn where it will live, in its final dtype, one at a time: an 8B model in
+    bf16 never passes through 32 GB of host float32, and the peak is the model itself. The same
+    seed gives the same weights on the same kind of device (CPU and CUDA streams differ).
+    """
+    generator = torch.Generator(device=device).manual_seed(seed)
+    weights: dict[str, torch.Tensor] = {}
+    for name, shape in expected_shapes(config).items():
+        tensor = torch.empty(shape, device=device, dtype=dtype)
+        if name.endswith("norm.weight"):
+            tensor.fill_(1.0)
+        else:
+            tensor.normal_(0.0, INIT_STD, generator=generator)
+        weights[name] = tensor
+    return weights

@@ -1,0 +1,132 @@
+"""On a CUDA GPU: parity with HF transformers, token identity, CUDA graphs vs eager.
+
+Skipped without a GPU (the `cuda` marker); `benchmarks/gpu_check.py` runs them on one. They
+need no model file: a tiny random Llama is built with transformers and saved with the
+tokenizer bundled in chunkserve, so they run on a machine that has only this repository.
+"""
+from __future__ import annotations
+
+import gzip
+import os
+import shutil
+
+import pytest
+import torch
+
+from chunkserve import LLM, SamplingParams
+
+pytestmark = pytest.mark.cuda
+
+MAX_TOKENS = 12
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=0)
+TOKENIZER_DIR = os.path.join(os.path.dirname(__file__), "..", "chunkserve", "data", "tokenizer")
+
+
+def _prompts(lengths: list[int]) -> list[list[int]]:
+    return [[(7919 * (i + 1) + 104729 * j) % 40000 + 100 for j in range(n)]
+            for i, n in enumerate(lengths)]
+
+
+PROMPTS = _prompts([5, 23, 40, 70, 150, 9, 31, 64])
+CROWDED = _prompts([31, 31, 31, 31, 31, 31, 47, 15])  # see test_token_identity.py
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = tmp_path_factory.mktemp("tiny-llama-cuda")
+    config = LlamaConfig(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        tie_word_embeddings=False, initializer_range=0.2, bos_token_id=1, eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(path)
+    with gzip.open(os.path.join(TOKENIZER_DIR, "tokenizer.json.gz"), "rb") as src:
+        (path / "tokenizer.json").write_bytes(src.read())
+    shutil.copy(os.path.join(TOKENIZER_DIR, "tokenizer_config.json"), path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def hf_reference(tiny_dir: str) -> list[tuple[list[int], list[float]]]:
+    """HF transformers' greedy tokens and their logprobs, on the same GPU, in fp32."""
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(tiny_dir, torch_dtype=torch.float32).cuda().eval()
+    ref = []
+    with torch.no_grad():
+        for p in PROMPTS:
+            ids = torch.tensor([p], device="cuda")
+            out = model.generate(ids, max_new_tokens=MAX_TOKENS, do_sample=False,
+                                 output_scores=True, return_dict_in_generate=True,
+                                 eos_token_id=None, pad_token_id=0)
+            tokens = out.sequences[0, len(p):].tolist()
+            logprobs = [float(s[0].float().log_softmax(-1)[t]) for s, t in zip(out.scores, tokens)]
+            ref.append((tokens, logprobs))
+    return ref
+
+
+def _run(tiny_dir: str, prompts: list[list[int]], **kwargs: object) -> tuple[list, list, LLM]:
+    llm = LLM(model=tiny_dir, dtype="float32", device="cuda", max_model_len=256, **kwargs)
+    outs = llm.generate(prompts, GREEDY)
+    tokens = [o.outputs[0].token_ids for o in outs]
+    logprobs = [[lp[0][1] for lp in o.outputs[0].logprobs] for o in outs]
+    return tokens, logprobs, llm
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(max_num_batched_tokens=16),
+    dict(max_num_batched_tokens=64),
+    dict(max_num_batched_tokens=4096),
+    dict(max_num_batched_tokens=64, scheduler="vllm-v1"),
+    dict(scheduler="prefill-first"),
+    dict(scheduler="orca"),
+    dict(max_num_batched_tokens=64, enforce_eager=True),
+    dict(max_num_batched_tokens=64, attention_backend="torch"),
+])
+def test_matches_hf_transformers(tiny_dir, hf_reference, kwargs):
+    tokens, logprobs, llm = _run(tiny_dir, PROMPTS, **kwargs)
+    assert tokens == [t for t, _ in hf_reference]
+    for ours, theirs in zip(logprobs, hf_reference):
+        assert ours == pytest.approx(theirs[1], abs=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_forced_preemption_keeps_tokens(tiny_dir, mode):
+    alone = [_run(tiny_dir, [p], max_num_batched_tokens=4096)[0][0] for p in CROWDED]
+    tokens, _, llm = _run(tiny_dir, CROWDED, max_num_batched_tokens=32, num_kv_blocks=16,
+                          preemption_mode=mode)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert tokens == alone
+
+
+def test_graphs_replay_decode_steps_and_match_eager(tiny_dir):
+    graph_tokens, _, graphed = _run(tiny_dir, PROMPTS, max_num_batched_tokens=64)
+    eager_tokens, _, eager = _run(tiny_dir, PROMPTS, max_num_batched_tokens=64,
+                                  enforce_eager=True)
+    assert graphed.engine.runner.graphs is not None and eager.engine.runner.graphs is None
+    assert graphed.engine.runner.graphs.num_replays > 0
+    assert graph_tokens == eager_tokens
+
+
+def test_triton_is_the_default_backend_on_cuda(tiny_dir):
+    _, _, llm = _run(tiny_dir, PROMPTS[:1])
+    assert llm.engine.runner.model.attn.name == "triton"
+
+
+def test_seeded_sampling_repeats(tiny_dir):
+    params = SamplingParams(max_tokens=8, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
+    runs = []
+    for _ in range(2):
+        llm = LLM(model=tiny_dir, dtype="float32", device="cuda", max_model_len=256)
+        runs.append([o.outputs[0].token_ids for o in llm.generate(PROMPTS[:4], params)])
+    assert runs[0] == runs[1]
+
+
+def test_bf16_preset_runs_with_graphs():
+    llm = LLM(model="tiny-llama", device="cuda", max_model_len=512)
+    outs = llm.generate(PROMPTS[:3], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    assert all(len(o.outputs[0].token_ids) == 8 for o in outs)
+    assert llm.engine.runner.graphs.num_replays > 0
