@@ -1,11 +1,15 @@
 # Quick start: `make serve` (OpenAI-compatible server on 127.0.0.1:8000) and `make test`.
 # Both create .venv on first use; the stamp file re-runs the install when pyproject.toml changes.
+# `make stress` runs the server stress suite (docs/reliability.md); STRESS_ARGS passes flags,
+# e.g. `make stress STRESS_ARGS="--minutes 30 --model smollm2-135m"`.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test serve generate clean
+STRESS_ARGS ?=
+
+.PHONY: install test serve generate stress clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,6 +25,9 @@ install: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+stress: $(STAMP)
+	$(PY) tests/stress/run.py $(STRESS_ARGS)
 
 serve: $(STAMP)
 	$(VENV)/bin/chunkserve serve smollm2-135m --host 127.0.0.1 --port 8000

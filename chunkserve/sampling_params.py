@@ -4,7 +4,13 @@ A leaf module: it imports nothing from chunkserve, so `core/` may depend on it.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+# Integers reach the engine as torch int64 (seeds, top-k): one out of this range used to fail
+# the whole engine step ("Overflow when unpacking long long"). vLLM bounds `seed` the same way.
+INT64_MIN = -(1 << 63)
+INT64_MAX = (1 << 63) - 1
 
 
 @dataclass
@@ -52,17 +58,26 @@ class SamplingParams:
             )
         if not self.temperature >= 0.0:  # also rejects NaN
             raise ValueError(f"temperature must be non-negative, got {self.temperature}.")
+        if math.isinf(self.temperature):  # logits / inf turns a masked -inf into NaN
+            raise ValueError(f"temperature must be finite, got {self.temperature}.")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be -1 (disable), 0 (disable) or at least 1, got {self.top_k}.")
+        if not isinstance(self.top_k, int) or not 0 <= self.top_k <= INT64_MAX:
+            raise ValueError(
+                f"top_k must be -1 (disable), 0 (disable) or at least 1 (and at most {INT64_MAX}), "
+                f"got {self.top_k}."
+            )
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}.")
+        if self.seed is not None and (
+            not isinstance(self.seed, int) or not INT64_MIN <= self.seed <= INT64_MAX
+        ):
+            raise ValueError(
+                f"seed must be an integer in [{INT64_MIN}, {INT64_MAX}], got {self.seed!r}."
+            )
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
             raise ValueError(f"logprobs must be non-negative, got {self.logprobs}.")
         if any(not isinstance(s, str) or s == "" for s in self.stop_strings):
             raise ValueError("stop strings must be non-empty strings.")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise ValueError("stop_token_ids must be non-negative integers.")
+        if any(not isinstance(t, int) or not 0 <= t <= INT64_MAX for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be integers in [0, {INT64_MAX}].")

@@ -46,3 +46,41 @@ def test_a_failing_step_fails_its_requests_not_the_engine(tiny_model_dir):
             await asyncio.to_thread(ae.shutdown)
 
     asyncio.run(main())
+
+
+def test_admission_tickets_and_fail_all(tiny_model_dir):
+    """Reserved places count as queued until sent; fail_all (the end of the shutdown grace
+    period) ends every in-flight request with ShuttingDownError, frees it, refuses new ones."""
+    from chunkserve.serve.async_engine import ShuttingDownError
+
+    engine = LLMEngine.from_kwargs(model=tiny_model_dir, dtype="float32", max_model_len=256)
+    long = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+
+    async def main() -> None:
+        ae = AsyncEngine(engine)
+        ae.start()
+        try:
+            ticket = ae.reserve(3)
+            assert ae.num_queued == 3
+            stream = ae.generate("a", [10, 11, 12], long, ticket=ticket)
+            first = await asyncio.wait_for(stream.__anext__(), 60)  # one place used
+            assert len(first.outputs[0].token_ids) >= 1
+            ticket.release()  # the two never sent
+            assert ae.num_queued <= 1  # "a" counts until the engine publishes it as running
+            ae.fail_all("the server is shutting down")
+            with pytest.raises(ShuttingDownError):
+                async for _ in stream:
+                    pass
+            with pytest.raises(ShuttingDownError):
+                await ae.generate("b", [10], long).__anext__()
+            for _ in range(100):  # the engine thread publishes after applying the command
+                if ae.num_queued == 0:
+                    break
+                await asyncio.sleep(0.01)
+            assert ae.num_queued == 0
+            assert not engine.has_unfinished_requests()
+            assert engine.scheduler.kv.stats().num_used_blocks == 0
+        finally:
+            await asyncio.to_thread(ae.shutdown)
+
+    asyncio.run(main())

@@ -24,7 +24,9 @@ from chunkserve.serve.protocol import (
     completion_id,
     completion_logprobs,
     completion_response,
+    MAX_SEQUENCES,
     error_body,
+    find_lone_surrogate,
     usage,
     usage_chunk,
     validation_error_message,
@@ -87,6 +89,9 @@ def test_chat_logprobs_mapping() -> None:
 @pytest.mark.parametrize("field,value", [
     ("temperature", -1.0), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2), ("min_p", 2.0),
     ("max_tokens", 0), ("min_tokens", -1), ("stop", [""]), ("stop_token_ids", [-1]),
+    # Past int64 (the engine's tensors): these used to fail the engine step, not the request.
+    ("top_k", 1 << 64), ("seed", 1 << 63), ("seed", -(1 << 63) - 1),
+    ("stop_token_ids", [1 << 64]),
 ])
 def test_bad_sampling_values_raise_value_error(field: str, value: object) -> None:
     # Parsing succeeds; SamplingParams owns the ranges and the server maps its error to a 400.
@@ -170,6 +175,77 @@ def test_stream_options_need_stream(make) -> None:  # type: ignore[no-untyped-de
     assert ok.include_usage
     assert not make(stream=True).include_usage
     assert make(stream_options=None).stream_options is None
+
+
+def test_int64_edges_are_accepted() -> None:
+    sp = CompletionRequest(prompt="x", seed=(1 << 63) - 1, top_k=(1 << 63) - 1,
+                           priority=-(1 << 63)).to_sampling_params(16)
+    assert sp.seed == (1 << 63) - 1 and sp.top_k == (1 << 63) - 1
+    assert CompletionRequest(prompt="x", seed=-(1 << 63)).to_sampling_params(16).seed == -(1 << 63)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("n", MAX_SEQUENCES + 1), ("priority", 1 << 63), ("priority", -(1 << 63) - 1),
+    ("temperature", math.inf), ("top_p", math.nan), ("min_p", -math.inf),
+])
+def test_edge_fields_out_of_range_name_their_param(field: str, value: object) -> None:
+    for make in (lambda **kw: CompletionRequest(prompt="x", **kw), chat):
+        with pytest.raises(ValidationError) as ei:
+            make(**{field: value})
+        assert validation_error_message(ei.value)[1] == field
+
+
+@pytest.mark.parametrize(("data", "found"), [
+    ({"prompt": "ok \ud800"}, ("prompt", "\\ud800")),
+    ({"prompt": ["fine", "\udc00x"]}, ("prompt.1", "\\udc00")),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud83d"}]}]},
+     ("messages.0.content.0.text", "\\ud83d")),
+    ({"x": {"\ud800": 1}}, ("x.\\ud800", "\\ud800")),  # a key; the path stays encodable
+    ({"prompt": "\U0001F600 a valid pair", "stop": ["\u0000"]}, None),
+    ({"deep": [[[[["\ud800"]]]]]}, ("deep.0.0.0.0.0", "\\ud800")),
+])
+def test_find_lone_surrogate(data: object, found: tuple[str, str] | None) -> None:
+    assert find_lone_surrogate(data) == found
+
+
+def test_lone_surrogates_are_rejected_everywhere() -> None:
+    for make, kw in ((CompletionRequest, {"prompt": "a\ud800"}),
+                     (CompletionRequest, {"prompt": "x", "stop": "\udfff"}),
+                     (CompletionRequest, {"prompt": "x", "x_unknown": "\ud800"}),
+                     (ChatCompletionRequest, {"messages": [{"role": "\ud800", "content": "x"}]}),
+                     (TokenizeRequest, {"prompt": "\ud800"}),
+                     (DetokenizeRequest, {"tokens": [1], "model": "\ud800"})):
+        with pytest.raises(ValidationError) as ei:
+            make(**kw)
+        message, _ = validation_error_message(ei.value)
+        assert "lone surrogate" in message
+        message.encode("utf-8")  # the 400's body must itself be encodable
+
+
+def test_error_body_escapes_what_utf8_cannot_carry() -> None:
+    body = error_body("The model `\ud800` does not exist.", "NotFoundError", 404, "\udc00")
+    assert body["error"]["message"] == "The model `\\ud800` does not exist."
+    json.dumps(body, ensure_ascii=False).encode("utf-8")
+    assert error_body("héllo ✓")["error"]["message"] == "héllo ✓"
+
+
+def test_token_count_bound_never_exceeds_the_count() -> None:
+    from chunkserve.model.tokenizer import load_bundled_tokenizer
+    from chunkserve.serve.prompt_bound import TokenCountBound
+
+    tok = load_bundled_tokenizer()
+    bound = TokenCountBound(tok)
+    assert 0 < bound.max_token_bytes < 200
+    texts = ["x" * 5000, " " * 3000, "\u0000" * 999, "日本語" * 800, "<|im_start|>" * 200,
+             "hello world " * 500, "=" * 4000, "\n" * 3000, "🙂" * 900, "a\u0301" * 900]
+    for text in texts:
+        assert bound.at_least(text) <= len(tok.encode(text, add_special_tokens=False))
+    assert bound.at_least("x" * 1_000_000) > 10_000  # what lets the server refuse it at once
+
+    class Other:  # not chunkserve's tokenizer: no bound, every prompt is tokenized
+        pass
+
+    assert TokenCountBound(Other()).at_least("x" * 1_000_000) == 0
 
 
 @pytest.mark.parametrize("n", [0, -1])

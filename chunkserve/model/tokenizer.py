@@ -150,6 +150,12 @@ class Tokenizer:
         return self._eos_id
 
     @property
+    def hf_tokenizer(self) -> HFTokenizer:
+        """The wrapped `tokenizers.Tokenizer`: its normalizer and decoder tell what a token
+        stands for (serve/prompt_bound.py)."""
+        return self._tok
+
+    @property
     def vocab_size(self) -> int:
         size = self._tok.get_vocab_size(with_added_tokens=True)
         return size if self._vocab_limit is None else min(size, self._vocab_limit)

@@ -11,7 +11,7 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from chunkserve.engine.llm_engine import LLMEngine
@@ -30,6 +30,34 @@ class RequestFailedError(RuntimeError):
     """The engine failed while running this request; the engine itself carries on."""
 
 
+class ShuttingDownError(EngineDeadError):
+    """The server is stopping and its grace period for in-flight requests is over."""
+
+
+class Ticket:
+    """Queue places reserved at admission, held until each sub-request is sent to the engine.
+
+    Checking the waiting count and counting the new request must happen with no `await` in
+    between, or simultaneous arrivals all pass the check (the cap was overshot that way). The
+    reservation is taken at the check; `generate` turns one place into a sent request, and
+    `release` gives back what was never sent (a disconnect or an error before sending).
+    """
+
+    def __init__(self, engine: AsyncEngine, num: int) -> None:
+        self._engine = engine
+        self.remaining = num
+        engine._num_reserved += num
+
+    def take(self) -> None:
+        if self.remaining > 0:
+            self.remaining -= 1
+            self._engine._num_reserved -= 1
+
+    def release(self) -> None:
+        self._engine._num_reserved -= self.remaining
+        self.remaining = 0
+
+
 @dataclass
 class _Add:
     request_id: str
@@ -44,23 +72,34 @@ class _Abort:
     request_id: str
 
 
+@dataclass
+class _FailAll:
+    reason: str
+
+
 _STOP = object()
 
 
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, metrics: ServerMetrics | None = None) -> None:
         self.engine = engine
+        engine.trace.keep_last(1)  # only the newest step feeds the metrics (--trace-file has all)
         self.metrics = metrics
         self._commands: queue.Queue[object] = queue.Queue()
         self._sinks: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._num_tokens: dict[str, int] = {}  # output tokens already reported, per request
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        # Adds sent but not yet applied count as waiting. Two counters, each written by one
-        # thread only, so no lock is needed.
+        # What --max-waiting-requests counts: places reserved by admission, adds sent but not
+        # applied, and the engine's waiting queue. The event loop writes the first two, the
+        # engine thread `_published`: (adds applied, waiting) from one instant, replaced as one
+        # tuple so a reader never pairs a new count with an old one. No lock is needed.
+        self._num_reserved = 0
         self._num_sent = 0
         self._num_applied = 0
-        self.num_waiting = 0  # engine's waiting queue, as of its last step
+        self._published = (0, 0)
+        self._closing = False  # the shutdown grace period is over: no new requests
+        self._refusal: str | None = None  # the engine thread's copy of the fail_all reason
         self.error: BaseException | None = None
 
     # ---- lifecycle --------------------------------------------------------------------------
@@ -83,9 +122,30 @@ class AsyncEngine:
         return self.error is None and self._thread is not None and self._thread.is_alive()
 
     @property
+    def num_waiting(self) -> int:
+        """The engine's waiting queue as of its last step."""
+        return self._published[1]
+
+    @property
     def num_queued(self) -> int:
-        """Requests not yet running: what --max-waiting-requests limits."""
-        return self.num_waiting + self._num_sent - self._num_applied
+        """Requests not yet running: what --max-waiting-requests limits. Never an undercount:
+        a request the engine has started still counts until the engine's next publish."""
+        applied, waiting = self._published
+        return self._num_reserved + self._num_sent - applied + waiting
+
+    def reserve(self, num: int) -> Ticket:
+        return Ticket(self, num)
+
+    def fail_all(self, reason: str) -> None:
+        """Aborts every in-flight request with a ShuttingDownError and refuses new ones.
+
+        The end of the shutdown grace period (called on the event loop): each consumer raises
+        the error, so a stream can still end with an error event. The engine thread does the
+        aborting, after the step in progress, so every output delivered before it (finished
+        work included) reaches its consumer first.
+        """
+        self._closing = True
+        self._commands.put(_FailAll(reason))
 
     # ---- the HTTP side ----------------------------------------------------------------------
     async def generate(
@@ -94,12 +154,17 @@ class AsyncEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         priority: int = 0,
+        ticket: Ticket | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yields the request's outputs until it finishes; aborts it if the caller goes away.
 
         `params` must already be validated (LLMEngine.prepare_params): the engine thread can
-        then only refuse a duplicate id.
+        then only refuse a duplicate id. `ticket` holds the queue place admission reserved.
         """
+        if ticket is not None:
+            ticket.take()
+        if self._closing:
+            raise ShuttingDownError("the server is shutting down")
         if not self.is_healthy:
             raise EngineDeadError("the engine is not running")
         sink: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
@@ -136,7 +201,7 @@ class AsyncEngine:
             for rid in list(self._sinks):
                 self._deliver(rid, EngineDeadError(f"the engine loop died: {e!r}"))
         finally:
-            self._abort_all()
+            self._fail_all(lambda: EngineDeadError("the server is shutting down"))
 
     def _drain_commands(self, block: bool) -> bool:
         """Applies all queued commands; returns False when asked to stop."""
@@ -158,6 +223,9 @@ class AsyncEngine:
             self._num_applied += 1
             if cmd.request_id not in self._sinks:  # aborted before it reached the engine
                 return
+            if self._refusal is not None:  # sent just before fail_all
+                self._deliver(cmd.request_id, ShuttingDownError(self._refusal))
+                return
             try:
                 self.engine.add_request(
                     cmd.request_id, cmd.prompt_token_ids, cmd.params, priority=cmd.priority
@@ -171,6 +239,9 @@ class AsyncEngine:
                 self._num_tokens.pop(cmd.request_id, None)
                 if self.metrics is not None:
                     self.metrics.observe_aborted()
+        elif isinstance(cmd, _FailAll):
+            self._refusal = cmd.reason
+            self._fail_all(lambda: ShuttingDownError(cmd.reason))
 
     def _step(self) -> None:
         try:
@@ -204,18 +275,21 @@ class AsyncEngine:
 
     def _publish_state(self) -> None:
         sched = self.engine.scheduler
-        self.num_waiting = len(sched.waiting)
+        self._published = (self._num_applied, len(sched.waiting))
         if self.metrics is not None:
             stats = sched.kv.stats()
             self.metrics.set_state(
                 len(sched.running), len(sched.waiting), stats.usage, stats.internal_fragmentation
             )
 
-    def _abort_all(self) -> None:
+    def _fail_all(self, make_error: Callable[[], BaseException]) -> None:
+        """Aborts every request the engine holds; each consumer gets an error of its own."""
         ids = list(self._num_tokens)
         if ids:
             self.engine.abort_request(ids)
         for rid in ids:
-            self._deliver(rid, EngineDeadError("the server is shutting down"))
+            if self.metrics is not None:
+                self.metrics.observe_aborted()
+            self._deliver(rid, make_error())
         self._num_tokens.clear()
         self._publish_state()

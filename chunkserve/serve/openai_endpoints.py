@@ -1,7 +1,6 @@
 """POST /v1/completions and /v1/chat/completions, streaming (SSE) and not."""
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import time
@@ -13,6 +12,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from chunkserve.outputs import RequestOutput
 from chunkserve.serve import protocol as P
+from chunkserve.serve.async_engine import Ticket
+from chunkserve.serve.responses import SSEResponse, until_disconnect
 from chunkserve.serve.serving import ApiError, PreparedPrompt, Serving
 
 log = logging.getLogger("chunkserve.server")
@@ -41,8 +42,6 @@ class _Choices:
 
 
 def register_openai_routes(app: FastAPI, serving: Serving) -> None:
-    from chunkserve.serve.api_server import until_disconnect
-
     def render_token(token_id: int) -> str | None:
         return serving.tokenizer.decode([token_id], skip_special_tokens=False)
 
@@ -58,15 +57,16 @@ def register_openai_routes(app: FastAPI, serving: Serving) -> None:
         if req.echo and req.logprobs is not None:
             raise ApiError(400, "echo together with logprobs (prompt logprobs) is not supported.",
                            param="echo")
+        serving.check_size(len(req.prompts()), req.n)
         prompts = await serving.prepare(req.prompts(), req.to_sampling_params)
-        serving.check_capacity(len(prompts) * req.n)
         echoes = [_echo_text(p, serving) if req.echo else "" for p in prompts]
+        ticket = serving.admit(len(prompts) * req.n)
         rid, created = P.completion_id(), int(time.time())
-        stream = serving.generate(rid, prompts, req.n, req.priority)
+        stream = serving.generate(rid, prompts, req.n, req.priority, ticket)
         if req.stream:
             return _sse(_completion_events(
-                req, rid, created, prompts, stream, serving, render_token, echoes))
-        result = await until_disconnect(raw, _collect(stream))
+                req, rid, created, prompts, stream, serving, render_token, echoes), ticket)
+        result = await _collect_unless_disconnected(raw, stream, ticket)
         if result is None:
             return Response(status_code=499)  # the client is gone; nobody reads this
         choices = [
@@ -83,21 +83,18 @@ def register_openai_routes(app: FastAPI, serving: Serving) -> None:
     async def chat(req: P.ChatCompletionRequest, raw: Request) -> Response:
         serving.check_model(req.model)
         warn_unknown(req)
-        try:
-            text = await asyncio.to_thread(
-                serving.tokenizer.apply_chat_template, req.message_dicts(), req.add_generation_prompt
-            )
-        except ValueError as e:  # no template, or the template raised for these messages
-            raise ApiError(400, str(e), param="messages") from e
-        ids = await serving.tokenize(text, add_special_tokens=False)
+        serving.check_size(1, req.n)
+        text = await serving.render_chat(req.message_dicts(), req.add_generation_prompt)
+        ids = await serving.tokenize_prompt(text, add_special_tokens=False)
         prompts = await serving.prepare([ids], req.to_sampling_params)
         prompts[0].prompt = text
-        serving.check_capacity(req.n)
+        ticket = serving.admit(req.n)
         rid, created = P.chat_completion_id(), int(time.time())
-        stream = serving.generate(rid, prompts, req.n, req.priority)
+        stream = serving.generate(rid, prompts, req.n, req.priority, ticket)
         if req.stream:
-            return _sse(_chat_events(req, rid, created, prompts, stream, serving, render_token))
-        result = await until_disconnect(raw, _collect(stream))
+            return _sse(_chat_events(req, rid, created, prompts, stream, serving, render_token),
+                        ticket)
+        result = await _collect_unless_disconnected(raw, stream, ticket)
         if result is None:
             return Response(status_code=499)
         choices = [
@@ -120,6 +117,16 @@ async def _collect(stream: AsyncIterator[tuple[int, RequestOutput]]) -> dict[int
     return finals
 
 
+async def _collect_unless_disconnected(
+    raw: Request, stream: AsyncIterator[tuple[int, RequestOutput]], ticket: Ticket
+) -> dict[int, RequestOutput] | None:
+    """The finished outputs, or None when the client hung up first (everything aborted)."""
+    try:
+        return await until_disconnect(raw, _collect(stream))
+    finally:
+        ticket.release()  # places never used: the client left before they were sent
+
+
 def _prompt_tokens(prompts: list[PreparedPrompt]) -> int:
     return sum(len(p.token_ids) for p in prompts)
 
@@ -129,17 +136,25 @@ def _completion_logprobs(logprobs: list[Any] | None, render: Any,
     return None if logprobs is None else P.completion_logprobs(logprobs, render, text_offset)
 
 
-def _sse(events: AsyncIterator[str]) -> StreamingResponse:
-    return StreamingResponse(events, media_type="text/event-stream")
+def _sse(events: AsyncIterator[str], ticket: Ticket) -> StreamingResponse:
+    return SSEResponse(events, ticket)
 
 
 async def _guarded(events: AsyncIterator[str]) -> AsyncIterator[str]:
-    """Once streaming has begun an error can only travel as an event, then [DONE]."""
+    """Once streaming has begun an error can only travel as an event, then [DONE].
+
+    Any exception, not only an ApiError: one escaping a started stream makes the HTTP server
+    drop the connection mid-response, which the client sees as a truncated body.
+    """
     try:
         async for event in events:
             yield event
     except ApiError as e:
         yield sse(P.error_body(e.message, e.err_type, e.status, e.param))
+    except Exception as e:  # noqa: BLE001 - reported to the client, logged here
+        log.exception("stream failed")
+        yield sse(P.error_body(f"internal error while streaming: {e!r}", "InternalServerError",
+                               500))
     yield "data: [DONE]\n\n"
 
 

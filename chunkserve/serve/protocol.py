@@ -7,7 +7,9 @@ their keys to OpenAI's exactly.
 
 Sampling values (temperature, top_p, ...) are deliberately not range-checked here:
 `SamplingParams` owns those rules, and `to_sampling_params` lets its ValueError through for the
-server to turn into a 400.
+server to turn into a 400. What is checked here is what no engine rule covers: JSON floats must
+be finite, text must be valid Unicode (JSON can carry a lone surrogate, `"\\ud800"`, which no
+tokenizer or UTF-8 encoder accepts), and the fields the engine never sees (n, priority).
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from chunkserve.sampling_params import SamplingParams
+from chunkserve.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 
 if TYPE_CHECKING:  # only for the annotation: protocol.py must not need fastapi to import
     import pydantic
@@ -27,6 +29,8 @@ if TYPE_CHECKING:  # only for the annotation: protocol.py must not need fastapi 
 
 # vLLM's default --max-logprobs; larger requests are rejected up front.
 MAX_LOGPROBS = 20
+# vLLM's VLLM_MAX_N_SEQUENCES default: the most sequences one request may ask for (n × prompts).
+MAX_SEQUENCES = 16384
 
 Prompt = str | list[int]
 # Engine logprobs for one generated position: [(sampled id, logprob), *top-k (id, logprob)].
@@ -45,8 +49,44 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def find_lone_surrogate(data: Any) -> tuple[str, str] | None:
+    """(where, escaped char) of the first lone surrogate in any string of a parsed JSON value.
+
+    Walks with an explicit stack: a body is at most a few MiB but may nest deeply.
+    """
+    stack: list[tuple[str, Any]] = [("", data)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            if not value.isascii():
+                try:
+                    value.encode("utf-8")
+                except UnicodeEncodeError as e:
+                    return path, ascii(value[e.start])[1:-1]
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                key = _encodable(str(k))  # the path is quoted in an error message
+                stack.append((f"{path}.{key}" if path else key, k))
+                stack.append((f"{path}.{key}" if path else key, v))
+        elif isinstance(value, list):
+            stack.extend((f"{path}.{i}", v) for i, v in reversed(list(enumerate(value))))
+    return None
+
+
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    # JSON has no inf/NaN, but Python's parser accepts `Infinity`, `NaN` and `1e400`.
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        found = find_lone_surrogate(data)
+        if found is not None:
+            where, char = found
+            param = where.split(".")[0] or None
+            raise _error(f"{where or 'body'}: text must be valid Unicode, found a lone surrogate "
+                         f"({char})", param)
+        return data
 
     def unknown_fields(self) -> list[str]:
         """Fields the client sent that we do not know: the server logs them, as vLLM does."""
@@ -107,7 +147,7 @@ class _SamplingRequest(_Request):
     top_p: float | None = None
     top_k: int | None = None
     min_p: float | None = None
-    n: int = Field(default=1, ge=1)
+    n: int = Field(default=1, ge=1, le=MAX_SEQUENCES)
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -115,7 +155,8 @@ class _SamplingRequest(_Request):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
-    priority: int = 0  # lower runs first under --scheduling-policy priority
+    # Lower runs first under --scheduling-policy priority.
+    priority: int = Field(default=0, ge=INT64_MIN, le=INT64_MAX)
     user: str | None = None
 
     @field_validator("stop", mode="before")
@@ -260,9 +301,18 @@ class ErrorResponse(BaseModel):
 
 def error_body(message: str, err_type: str = "BadRequestError", code: int = 400,
                param: str | None = None) -> dict[str, Any]:
-    """vLLM's error JSON: `{"error": {"message", "type", "param", "code"}}`."""
-    info = ErrorInfo(message=message, type=err_type, param=param, code=code)
+    """vLLM's error JSON: `{"error": {"message", "type", "param", "code"}}`.
+
+    Text is made encodable first: a message may quote client input, and a lone surrogate in it
+    would make the error response itself fail to encode (a 500 in place of the 4xx).
+    """
+    info = ErrorInfo(message=_encodable(message), type=err_type,
+                     param=None if param is None else _encodable(param), code=code)
     return ErrorResponse(error=info).model_dump()
+
+
+def _encodable(text: str) -> str:
+    return text if text.isascii() else text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 _LOC_SOURCES = {"body", "query", "path", "header", "cookie"}

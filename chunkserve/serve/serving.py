@@ -1,17 +1,23 @@
-"""What completions and chat share: tokenize off the loop, validate, fan out n × prompts, merge."""
+"""What completions and chat share: tokenize off the loop, validate, admit, fan out n × prompts,
+merge."""
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+import jinja2
 
 from chunkserve.engine.llm_engine import LLMEngine
 from chunkserve.model.tokenizer import Tokenizer
 from chunkserve.outputs import RequestOutput
-from chunkserve.sampling_params import SamplingParams
-from chunkserve.serve.async_engine import AsyncEngine
+from chunkserve.sampling_params import INT64_MIN, SamplingParams
+from chunkserve.serve.async_engine import AsyncEngine, ShuttingDownError, Ticket
+from chunkserve.serve.prompt_bound import TokenCountBound
+from chunkserve.serve.protocol import MAX_SEQUENCES
 
 
 class ApiError(Exception):
@@ -57,6 +63,7 @@ class Serving:
         self.model_name = model_name
         self.max_model_len = self.engine.max_model_len
         self.max_waiting_requests = max_waiting_requests
+        self.token_bound = TokenCountBound(self.tokenizer)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -65,6 +72,33 @@ class Serving:
     async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         # Tokenization runs in a worker thread: neither the event loop nor the engine waits.
         return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens)
+
+    async def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+        """The chat template applied to `messages`, in a worker thread; 400 when it refuses them.
+
+        A template raises for conversations it cannot format (roles out of order, a missing
+        field): jinja2's errors are not ValueErrors, and used to surface as 500s.
+        """
+        try:
+            return await asyncio.to_thread(
+                self.tokenizer.apply_chat_template, messages, add_generation_prompt
+            )
+        except (ValueError, jinja2.TemplateError) as e:  # no template, or it rejected these
+            raise ApiError(400, f"The chat template could not format these messages: {e}",
+                           param="messages") from e
+
+    async def tokenize_prompt(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Tokenizes a prompt, first refusing text that cannot fit without tokenizing it:
+        tokenizing a few MiB costs seconds of CPU, only to be refused for its length."""
+        at_least = self.token_bound.at_least(text)
+        if at_least >= self.max_model_len:
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"your request has at least {at_least} input tokens. Please reduce the length of "
+                "the input messages.",
+            )
+        return await self.tokenize(text, add_special_tokens)
 
     async def prepare(
         self,
@@ -76,7 +110,7 @@ class Serving:
         prepared = []
         for prompt in prompts:
             if isinstance(prompt, str):
-                ids = await self.tokenize(prompt, add_special_tokens)
+                ids = await self.tokenize_prompt(prompt, add_special_tokens)
                 text: str | None = prompt
             else:
                 ids, text = list(prompt), None
@@ -84,38 +118,63 @@ class Serving:
                 params = make_params(max(self.max_model_len - len(ids), 1))
                 params = self.engine.prepare_params(ids, params)
             except ValueError as e:
-                raise ApiError(400, str(e)) from e
+                raise ApiError(400, str(e), param=_param_named_in(str(e))) from e
             prepared.append(PreparedPrompt(text, ids, params))
         return prepared
 
-    def check_capacity(self, num_new: int) -> None:
+    def check_size(self, num_prompts: int, n: int) -> None:
+        """400 for a request that no amount of waiting would let in; call before tokenizing."""
+        num, limit = num_prompts * n, self.max_waiting_requests
+        what = f"{num} sequences (n={n} × {num_prompts} prompt{'s' if num_prompts > 1 else ''})"
+        if num > MAX_SEQUENCES:
+            raise ApiError(400, f"This request asks for {what}; at most {MAX_SEQUENCES} are "
+                           "allowed.", param="n")
+        if limit is not None and num > limit:
+            raise ApiError(
+                400,
+                f"This request asks for {what}, more than this server ever queues at once "
+                f"(--max-waiting-requests {limit}), so it could never be admitted. Send fewer "
+                "prompts or a smaller n.",
+                param="n",
+            )
+
+    def admit(self, num_new: int) -> Ticket:
+        """Reserves queue places for `num_new` sub-requests, or 503 when they do not fit.
+
+        Synchronous on purpose: the check and the reservation happen with no await between
+        them, so simultaneous arrivals cannot all pass the check. The caller must `release()`
+        the ticket when done (it is a no-op once every place has been used).
+        """
+        if not self.async_engine.is_healthy:
+            raise ApiError(503, "The engine is not running.", "ServiceUnavailableError")
         limit = self.max_waiting_requests
-        if limit is not None and self.async_engine.num_queued + num_new > limit:
+        queued = self.async_engine.num_queued
+        if limit is not None and queued + num_new > limit:
             raise ApiError(
                 503,
-                f"The server is overloaded: {self.async_engine.num_queued} requests are waiting "
+                f"The server is overloaded: {queued} requests are waiting "
                 f"(--max-waiting-requests {limit}). Retry later.",
                 "ServiceUnavailableError",
                 headers={"Retry-After": "1"},
             )
-        if not self.async_engine.is_healthy:
-            raise ApiError(503, "The engine is not running.", "ServiceUnavailableError")
+        return self.async_engine.reserve(num_new)
 
     async def generate(
-        self, base_id: str, prompts: list[PreparedPrompt], n: int, priority: int
+        self, base_id: str, prompts: list[PreparedPrompt], n: int, priority: int,
+        ticket: Ticket | None = None,
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Runs n samples of every prompt; yields (choice index, output) as they come.
 
         Choice index = prompt index * n + sample index, as in vLLM. Closing this iterator
         (a disconnect, an error) cancels every sub-request, which aborts it in the engine.
-        Callers check_capacity() first, while an error can still be an HTTP status.
+        Callers admit() first, while an error can still be an HTTP status, and pass its ticket.
         """
         merged: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = asyncio.Queue()
 
         async def pump(index: int, prompt: PreparedPrompt, params: SamplingParams) -> None:
             try:
                 async for out in self.async_engine.generate(
-                    f"{base_id}-{index}", prompt.token_ids, params, priority
+                    f"{base_id}-{index}", prompt.token_ids, params, priority, ticket
                 ):
                     merged.put_nowait((index, out))
             except asyncio.CancelledError:
@@ -140,6 +199,10 @@ class Serving:
                 item = await merged.get()
                 if item is None:
                     remaining -= 1
+                elif isinstance(item, ShuttingDownError):
+                    raise ApiError(503, "The server is shutting down; the request was aborted "
+                                   "at the end of its grace period.",
+                                   "ServiceUnavailableError") from item
                 elif isinstance(item, BaseException):
                     raise ApiError(500, str(item), "InternalServerError") from item
                 else:
@@ -152,5 +215,15 @@ class Serving:
                     await task
 
 
+_SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams) if f.init)
+
+
+def _param_named_in(message: str) -> str | None:
+    """The field a SamplingParams message is about: each starts with it ("top_k must be ...")."""
+    first = message.split(" ", 1)[0]
+    return first if first in _SAMPLING_FIELDS else None
+
+
 def _reseed(params: SamplingParams, seed: int) -> SamplingParams:
-    return replace(params, seed=seed)
+    # Wrapped into int64: seed + j may pass the top of the range a client may send.
+    return replace(params, seed=(seed - INT64_MIN) % (1 << 64) + INT64_MIN)
