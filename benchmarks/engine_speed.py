@@ -81,11 +81,12 @@ def measure_gemm(loaded: LoadedModel, dtype: torch.dtype, repeats: int) -> dict[
     T = 2048
     hidden = loaded.config.hidden_size
     cases: dict[str, tuple[torch.Tensor, torch.Tensor, bool]] = {}
-    for name, w in (("qkv", layer.qkv), ("o", layer.o), ("gate_up", layer.gate_up),
-                    ("down", layer.down)):
-        x = torch.randn(T, w.shape[1]).to(dtype)
-        cases[f"linear {T}x{w.shape[1]}·{w.shape[1]}x{w.shape[0]} ({name})"] = (
-            x, w.to(dtype).contiguous(), True)
+    for name, lin in (("qkv", layer.qkv), ("o", layer.o), ("gate_up", layer.gate_up),
+                      ("down", layer.down)):
+        out_f, in_f = lin.shape
+        x = torch.randn(T, in_f).to(dtype)
+        cases[f"linear {T}x{in_f}·{in_f}x{out_f} ({name})"] = (
+            x, torch.randn(out_f, in_f).to(dtype), True)
     inter = loaded.config.intermediate_size
     cases[f"matmul {T}x{hidden}·{hidden}x{inter}"] = (
         torch.randn(T, hidden).to(dtype), torch.randn(hidden, inter).to(dtype), False)
@@ -147,10 +148,12 @@ class ModelCost:
     @classmethod
     def of(cls, loaded: LoadedModel) -> ModelCost:
         m = loaded.model
-        linear = sum(t.numel() for L in m.layers for t in (L.qkv, L.o, L.gate_up, L.down))
+        linear = sum(lin.shape[0] * lin.shape[1]
+                     for L in m.layers for lin in (L.qkv, L.o, L.gate_up, L.down))
         norms = m.norm.numel() + sum(L.input_norm.numel() + L.post_norm.numel() for L in m.layers)
-        return cls(linear, m.lm_head.numel(), norms, len(m.layers), m.num_heads,
-                   m.num_kv_heads, m.head_dim, m.lm_head.element_size(),
+        head = m.lm_head.shape[0] * m.lm_head.shape[1]
+        return cls(linear, head, norms, len(m.layers), m.num_heads,
+                   m.num_kv_heads, m.head_dim, m.lm_head.weight_bytes // head,
                    torch.empty((), dtype=m.kv_dtype).element_size())
 
     def attention_flops(self, context_sum: int) -> int:
@@ -366,7 +369,10 @@ def markdown(sections: list[tuple[str, Roofline, list[Result]]], elapsed: float)
 # ---- main --------------------------------------------------------------------------------------
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--dtype", default="both", choices=["auto", "float32", "bfloat16", "both"])
+    p.add_argument("--dtype", default="both",
+                   choices=["auto", "float32", "bfloat16", "int8", "both", "all"],
+                   help="int8: --quantization int8 (float32 activations); both: float32 and "
+                        "bfloat16; all: the three")
     p.add_argument("--repeats", type=int, default=3, help="prefill runs per size (median)")
     p.add_argument("--decode-steps", type=int, default=8, help="measured decode steps per batch")
     p.add_argument("--quick", action="store_true",
@@ -379,10 +385,13 @@ def bench_dtype(name: str, args: argparse.Namespace) -> tuple[str, Roofline, lis
     batches = QUICK_DECODE_BATCHES if args.quick else DECODE_BATCHES
     steps = 3 if args.quick else args.decode_steps
     # Room for the longest prompt plus its sampled token; 4608 for the full run.
-    loaded = load_model(MODEL, name, max_model_len=max(max(prefill_sizes), DECODE_CONTEXT) + 512)
+    quantization = "int8" if name == "int8" else "none"
+    dtype = "float32" if name == "int8" else name
+    loaded = load_model(MODEL, dtype, max_model_len=max(max(prefill_sizes), DECODE_CONTEXT) + 512,
+                        quantization=quantization)
     engine, max_tokens = make_engine(loaded, prefill_sizes, batches, steps)
     cost = ModelCost.of(loaded)
-    label = str(loaded.model.dtype).removeprefix("torch.")
+    label = "int8" if loaded.model.quantization else str(loaded.model.dtype).removeprefix("torch.")
 
     print(f"\n== {label} ({engine.num_kv_blocks} KV blocks, weights "
           f"{cost.weight_bytes / 1e6:.0f} MB) ==", flush=True)
@@ -400,7 +409,8 @@ def main() -> None:
     if args.quick:
         args.repeats = 1
     start = time.perf_counter()
-    names = ["float32", "bfloat16"] if args.dtype == "both" else [args.dtype]
+    names = {"both": ["float32", "bfloat16"], "all": ["float32", "bfloat16", "int8"]}.get(
+        args.dtype, [args.dtype])
     print(f"{cpu_model()} | torch {torch.__version__} | {torch.get_num_threads()} threads | "
           f"auto -> {resolve_dtype('auto')}")
     sections = [bench_dtype(name, args) for name in names]

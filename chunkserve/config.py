@@ -16,7 +16,11 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 DTYPES = ("auto", "float32", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 LOAD_FORMATS = ("auto", "dummy")  # dummy: random weights from the model's config (vLLM's name)
-ATTENTION_BACKENDS = ("auto", "torch", "triton")  # auto: triton on CUDA, torch on the CPU
+# auto: triton on CUDA, cpu on the CPU (torch: the per-request SDPA reference, any device)
+ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
+# auto: int8 on CPUs without native bf16 dot products when the dtype is auto too (the fastest
+# format there); none: the dtype's dense weights.
+QUANTIZATIONS = ("auto", "int8", "none")
 
 # vLLM's server default budget; also the article's "balanced" setting.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
@@ -32,12 +36,17 @@ class ModelConfig:
     load_format: str = "auto"  # auto: the weights at `model`; dummy: random ones of its shape
     attention_backend: str = "auto"
     enforce_eager: bool = False  # True: no CUDA graphs (vLLM's flag; nothing to do on a CPU)
+    quantization: str = "auto"
 
     def verify(self) -> None:
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}.")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}.")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}."
+            )
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, "

@@ -6,7 +6,6 @@ slot mapping, then attends; both outputs and both caches must agree.
 """
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -14,57 +13,18 @@ from hypothesis import strategies as st
 
 pytest.importorskip("triton")
 
+from attention_cases import (  # noqa: E402
+    DECODES, DEVICE, FIRST_CHUNKS, LATER_CHUNKS, MIXED, NUM_BLOCKS, make_layout, run_step,
+)
+
 from chunkserve.model.attention_torch import TorchPagedAttention  # noqa: E402
 from chunkserve.model.attention_triton import TritonPagedAttention  # noqa: E402
-from chunkserve.model.batch import BatchLayout, DeviceStager  # noqa: E402
+from chunkserve.model.batch import DeviceStager  # noqa: E402
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-NUM_BLOCKS = 48
-
-# (tokens cached before the step, new tokens this step) per request
-DECODES = [(37, 1), (5, 1), (0, 1), (64, 1)]
-FIRST_CHUNKS = [(0, 20), (0, 7), (0, 1)]
-LATER_CHUNKS = [(40, 24), (16, 16), (3, 9)]
-MIXED = [(0, 13), (70, 1), (33, 40), (5, 1), (16, 9)]
-
-
-def make_layout(spec: list[tuple[int, int]], block_size: int, contiguous: bool,
-                seed: int = 0) -> BatchLayout:
-    rng = np.random.default_rng(seed)
-    ids = np.arange(NUM_BLOCKS) if contiguous else rng.permutation(NUM_BLOCKS)
-    q_lens = np.array([n for _, n in spec], dtype=np.int64)
-    seq_lens = np.array([p + n for p, n in spec], dtype=np.int64)
-    nblocks = -(-seq_lens // block_size)
-    assert nblocks.sum() <= NUM_BLOCKS
-    table = np.zeros((len(spec), int(nblocks.max())), dtype=np.int64)
-    offsets = np.concatenate([[0], np.cumsum(nblocks)])
-    for i in range(len(spec)):
-        table[i, : nblocks[i]] = ids[offsets[i] : offsets[i + 1]]
-    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int64)
-    seq_of_token = np.repeat(np.arange(len(spec)), q_lens)
-    positions = np.arange(qsl[-1]) - qsl[seq_of_token] + (seq_lens - q_lens)[seq_of_token]
-    slots = table[seq_of_token, positions // block_size] * block_size + positions % block_size
-    return BatchLayout(np.zeros(qsl[-1], np.int64), positions, slots, qsl, seq_lens, table,
-                       block_size)
-
-
-def run_both(layout: BatchLayout, heads: int, kv_heads: int, head_dim: int):  # type: ignore[no-untyped-def]
-    """(torch out, triton out, torch caches, triton caches) for one step on random data."""
-    gen = torch.Generator().manual_seed(1)
-    T = layout.num_tokens
-    q = torch.randn(T, heads, head_dim, generator=gen).to(DEVICE)
-    k = torch.randn(T, kv_heads, head_dim, generator=gen).to(DEVICE)
-    v = torch.randn(T, kv_heads, head_dim, generator=gen).to(DEVICE)
-    shape = (NUM_BLOCKS, layout.block_size, kv_heads, head_dim)
-    caches = [torch.randn(shape, generator=gen).to(DEVICE) for _ in range(2)]
-    batch = DeviceStager(DEVICE).to_device(layout)
-    results = []
-    for backend in (TorchPagedAttention(heads, kv_heads, head_dim),
-                    TritonPagedAttention(heads, kv_heads, head_dim)):
-        kc, vc = (c.clone() for c in caches)
-        out = backend.forward(q, k, v, kc, vc, backend.build_metadata(batch))
-        results.append((out, kc, vc))
-    return results
+def run_both(layout, heads: int, kv_heads: int, head_dim: int):  # type: ignore[no-untyped-def]
+    """[(out, k_cache, v_cache)] of the torch reference, then of Triton, on the same data."""
+    return [run_step(backend(heads, kv_heads, head_dim), layout, heads, kv_heads, head_dim)
+            for backend in (TorchPagedAttention, TritonPagedAttention)]
 
 
 CASES = [

@@ -10,6 +10,7 @@ from chunkserve.config import (
     DTYPES,
     LOAD_FORMATS,
     PREEMPTION_MODES,
+    QUANTIZATIONS,
     SCHEDULERS,
     SCHEDULING_POLICIES,
     EngineConfig,
@@ -31,6 +32,9 @@ def add_engine_args(p: argparse.ArgumentParser, model_flag: bool = True) -> None
                         "llama-3-8b always is)")
     p.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
                    help="auto: triton on CUDA, torch on the CPU")
+    p.add_argument("--quantization", "-q", choices=QUANTIZATIONS, default="auto",
+                   help="int8: int8 weights and activations on the CPU (FBGEMM); auto: int8 on "
+                        "CPUs without AVX512_BF16 when --dtype is auto")
     p.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs for decode steps (nothing to do on a CPU)")
     g = p.add_argument_group("scheduling")
@@ -53,7 +57,7 @@ def add_engine_args(p: argparse.ArgumentParser, model_flag: bool = True) -> None
 
 ENGINE_KEYS = (
     "model", "dtype", "device", "max_model_len", "seed", "load_format", "attention_backend",
-    "enforce_eager", "enable_chunked_prefill",
+    "enforce_eager", "quantization", "enable_chunked_prefill",
     "max_num_batched_tokens", "max_num_seqs", "scheduler", "long_prefill_token_threshold",
     "scheduling_policy", "block_size", "kv_cache_memory", "num_kv_blocks", "preemption_mode",
     "swap_space", "trace_file",

@@ -45,6 +45,7 @@ class LLMEngine:
             loaded = load_model(
                 mc.model, mc.dtype, mc.max_model_len, mc.device, load_format=mc.load_format,
                 attention_backend=mc.attention_backend, seed=mc.seed,
+                quantization=mc.quantization,
             )
         elif mc.max_model_len is not None and mc.max_model_len > loaded.max_model_len:
             raise ValueError(

@@ -39,10 +39,17 @@ def make_attention_backend(name: str, config: LlamaConfig, device: torch.device)
     assert head_dim is not None
     if name == "torch":
         return TorchPagedAttention(heads, kv_heads, head_dim)
+    if name == "cpu":
+        if device.type != "cpu":
+            raise ValueError("attention backend 'cpu' runs on the CPU; use triton or torch")
+        # Imported here: compiling its kernel (numba, cached on disk) is for CPU runs only.
+        from chunkserve.model.attention_cpu import CpuPagedAttention
+
+        return CpuPagedAttention(heads, kv_heads, head_dim)
     if name == "triton":
         check_triton(device)
         # Imported only here: importing triton is slow and the CPU path never needs it.
         from chunkserve.model.attention_triton import TritonPagedAttention
 
         return TritonPagedAttention(heads, kv_heads, head_dim)
-    raise ValueError(f"attention backend must be auto, torch or triton, got {name!r}.")
+    raise ValueError(f"attention backend must be auto, cpu, torch or triton, got {name!r}.")

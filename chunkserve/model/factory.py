@@ -22,6 +22,10 @@ class LoadedModel:
     max_model_len: int
 
 
+# Whether `--quantization auto` turns int8 on for CPUs without AVX512_BF16 (see docs/performance.md).
+INT8_BY_DEFAULT = False
+
+
 @lru_cache(maxsize=1)
 def cpu_has_avx512_bf16() -> bool:
     try:
@@ -54,6 +58,24 @@ def resolve_dtype(name: str, device: torch.device | None = None) -> torch.dtype:
     raise ValueError(f"dtype must be auto, float32 or bfloat16, got {name!r}")
 
 
+def resolve_quantization(name: str, dtype: str, device: torch.device) -> str | None:
+    """None (dense weights) or "int8". `auto` picks int8 where it is the fastest format: a CPU
+    without AVX512_BF16, when the dtype is left to auto as well (an explicit dtype means the
+    caller wants that precision)."""
+    if name == "none":
+        return None
+    if name == "int8":
+        if device.type != "cpu":
+            raise ValueError("quantization 'int8' runs on the CPU only; use --device cpu")
+        if dtype not in ("auto", "float32"):
+            raise ValueError(f"quantization 'int8' computes in float32; got dtype {dtype!r}")
+        return "int8"
+    if name == "auto":
+        wants = device.type == "cpu" and dtype == "auto" and not cpu_has_avx512_bf16()
+        return "int8" if wants and INT8_BY_DEFAULT else None
+    raise ValueError(f"quantization must be auto, int8 or none, got {name!r}")
+
+
 def load_model(
     name: str,
     dtype: str = "auto",
@@ -63,6 +85,7 @@ def load_model(
     load_format: str = "auto",
     attention_backend: str = "auto",
     seed: int = 0,
+    quantization: str = "auto",
 ) -> LoadedModel:
     """`name` is the default model, a .gguf file, a HF folder or a model preset (random weights).
 
@@ -70,7 +93,8 @@ def load_model(
     (seeded), built directly on the device in the compute dtype, so no weights are read.
     """
     dev = resolve_device(device)
-    torch_dtype = resolve_dtype(dtype, dev)
+    quant = resolve_quantization(quantization, dtype, dev)
+    torch_dtype = torch.float32 if quant else resolve_dtype(dtype, dev)
     path, config, weights, tokenizer = load_source(name, load_format, seed, dev, torch_dtype)
     limit = config.max_position_embeddings
     if max_model_len is None:
@@ -81,6 +105,7 @@ def load_model(
         )
     attention = make_attention_backend(attention_backend, config, dev)
     model = LlamaModel(
-        config, weights, torch_dtype, max_positions=max_model_len, attention=attention, device=dev
+        config, weights, torch_dtype, max_positions=max_model_len, attention=attention,
+        device=dev, quantization=quant,
     )
     return LoadedModel(path, config, model, tokenizer, max_model_len)

@@ -9,11 +9,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from chunkserve.model.attention import AttentionBackend
 from chunkserve.model.attention_torch import TorchPagedAttention
 from chunkserve.model.layers import RotaryEmbedding, apply_rotary, rms_norm, silu_and_mul
+from chunkserve.model.linear import Linear, make_linear
 from chunkserve.model.llama_config import LlamaConfig
 
 
@@ -26,18 +26,22 @@ def _take(w: dict[str, torch.Tensor], name: str, dtype: torch.dtype, device: tor
 
 class LlamaLayer:
     def __init__(self, cfg: LlamaConfig, w: dict[str, torch.Tensor], i: int, dtype: torch.dtype,
-                 device: torch.device):
+                 device: torch.device, quantization: str | None = None):
         p = f"model.layers.{i}."
 
         def take(name: str) -> torch.Tensor:
             return _take(w, p + name, dtype, device)
 
+        def linear(*names: str) -> Linear:
+            return make_linear(torch.cat([take(n) for n in names]), quantization)
+
         self.input_norm = take("input_layernorm.weight")
         self.post_norm = take("post_attention_layernorm.weight")
-        self.qkv = torch.cat([take(f"self_attn.{n}_proj.weight") for n in "qkv"]).contiguous()
-        self.o = take("self_attn.o_proj.weight").contiguous()
-        self.gate_up = torch.cat([take("mlp.gate_proj.weight"), take("mlp.up_proj.weight")])
-        self.down = take("mlp.down_proj.weight").contiguous()
+        self.qkv = linear("self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                          "self_attn.v_proj.weight")
+        self.o = linear("self_attn.o_proj.weight")
+        self.gate_up = linear("mlp.gate_proj.weight", "mlp.up_proj.weight")
+        self.down = linear("mlp.down_proj.weight")
         self.q_size = cfg.num_attention_heads * cfg.head_dim  # type: ignore[operator]
         self.kv_size = cfg.num_key_value_heads * cfg.head_dim  # type: ignore[operator]
 
@@ -51,11 +55,18 @@ class LlamaModel:
         max_positions: int | None = None,
         attention: AttentionBackend | None = None,
         device: torch.device | str = "cpu",
+        quantization: str | None = None,
     ) -> None:
-        """Consumes `weights`: each tensor is removed from the dict as the model takes it."""
+        """Consumes `weights`: each tensor is removed from the dict as the model takes it.
+        With `quantization="int8"` every linear layer and the LM head are int8 (linear.py) and
+        `dtype` must be float32: it is then the activations' dtype."""
+        if quantization is not None and dtype != torch.float32:
+            raise ValueError(f"quantization {quantization!r} takes float32 activations, "
+                             f"not {dtype}")
         self.cfg = cfg
         self.device = torch.device(device)
         self.dtype = dtype  # of the linear layers' weights and inputs
+        self.quantization = quantization
         # On the CPU attention and the KV cache stay in float32: the fused attention kernel is
         # no faster in bfloat16 and its decode path is ~2x slower, while the linears gain ~4x.
         # On CUDA the KV cache takes the model dtype, as in every GPU engine.
@@ -64,10 +75,12 @@ class LlamaModel:
         self.embed = _take(weights, "model.embed_tokens.weight", dtype, dev)
         head = weights.pop("lm_head.weight", None)
         tied = head is None or cfg.tie_word_embeddings
-        self.lm_head = self.embed if tied else head.to(device=dev, dtype=dtype)  # type: ignore[union-attr]
+        head = self.embed if tied else head.to(device=dev, dtype=dtype)  # type: ignore[union-attr]
+        self.lm_head = make_linear(head, quantization)
         self.norm = _take(weights, "model.norm.weight", dtype, dev)
         self.layers = [
-            LlamaLayer(cfg, weights, i, dtype, dev) for i in range(cfg.num_hidden_layers)
+            LlamaLayer(cfg, weights, i, dtype, dev, quantization)
+            for i in range(cfg.num_hidden_layers)
         ]
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
@@ -97,7 +110,7 @@ class LlamaModel:
         T = h.shape[0]
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             x = rms_norm(h, layer.input_norm, eps)
-            qkv = F.linear(x, layer.qkv)
+            qkv = layer.qkv(x)
             q, k, v = qkv.split([layer.q_size, layer.kv_size, layer.kv_size], dim=-1)
             q = q.view(T, self.num_heads, self.head_dim)
             k = k.view(T, self.num_kv_heads, self.head_dim)
@@ -105,11 +118,11 @@ class LlamaModel:
             q = apply_rotary(q, cos, sin).to(self.kv_dtype)  # float32 until here
             k = apply_rotary(k, cos, sin).to(self.kv_dtype)
             attn = self.attn.forward(q, k, v, k_cache, v_cache, meta)
-            h = h + F.linear(attn.to(self.dtype), layer.o).float()
+            h = h + layer.o(attn).float()
             x = rms_norm(h, layer.post_norm, eps)
-            h = h + F.linear(silu_and_mul(F.linear(x, layer.gate_up)), layer.down).float()
+            h = h + layer.down(silu_and_mul(layer.gate_up(x))).float()
         return rms_norm(h, self.norm, eps)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden.to(self.dtype), self.lm_head).float()
+        return self.lm_head(hidden).float()

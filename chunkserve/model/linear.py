@@ -1,0 +1,69 @@
+"""Linear layers in the format the hardware is fastest with: dense, or int8 weights on the CPU.
+
+`DenseLinear` is `F.linear` in the model's compute dtype (float32, or bfloat16 where the CPU
+has native bf16 dot products, and on CUDA). `Int8Linear` is `--quantization int8`: weight-only
+int8 with one scale per output channel, quantized once at load. A decode step is bound by
+streaming the weights from memory, and int8 weights are a quarter of float32's bytes; PyTorch's
+CPU kernel for them (`_weight_int8pack_mm`) takes bfloat16 activations and accumulates in
+float32. It pays for few rows only: past `INT8_KERNEL_MAX_ROWS` (a prefill chunk) the GEMM is
+compute-bound and float32 GEMMs are faster, so those rows multiply by the weight dequantized on
+the fly. The activations' precision is then bfloat16's for decodes, as on CPUs that run bf16.
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+# Rows (tokens) up to which the int8 kernel beats a float32 GEMM on the dequantized weight.
+INT8_KERNEL_MAX_ROWS = 16
+
+
+class Linear(Protocol):
+    shape: tuple[int, int]  # (out_features, in_features), as the weight
+    weight_bytes: int  # what a pass over the weights reads
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        ...
+
+
+class DenseLinear:
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight = weight.contiguous()
+        self.shape = tuple(weight.shape)  # type: ignore[assignment]
+        self.weight_bytes = weight.numel() * weight.element_size()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.to(self.weight.dtype), self.weight)
+
+
+class Int8Linear:
+    def __init__(self, weight: torch.Tensor) -> None:
+        w = weight.float()
+        # Symmetric per output channel; an all-zero row keeps a tiny scale instead of 0/0.
+        scales = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
+        self.qweight = torch.round(w / scales[:, None]).clamp_(-127, 127).to(torch.int8)
+        self.scales = scales  # float32, for the dequantized path
+        self.scales_bf16 = scales.to(torch.bfloat16)  # the kernel takes the activations' dtype
+        self.shape = tuple(weight.shape)  # type: ignore[assignment]
+        self.weight_bytes = self.qweight.numel() + 4 * scales.numel()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= INT8_KERNEL_MAX_ROWS:
+            return torch._weight_int8pack_mm(x.to(torch.bfloat16).contiguous(), self.qweight,
+                                             self.scales_bf16).float()
+        return F.linear(x.float(), self.dequantized())
+
+    def dequantized(self) -> torch.Tensor:
+        return self.qweight.float() * self.scales[:, None]
+
+
+def make_linear(weight: torch.Tensor, quantization: str | None) -> Linear:
+    if quantization is None:
+        return DenseLinear(weight)
+    if quantization == "int8":
+        if weight.device.type != "cpu":
+            raise ValueError("quantization 'int8' runs on the CPU only")
+        return Int8Linear(weight)
+    raise ValueError(f"quantization must be 'int8' or None, got {quantization!r}")
