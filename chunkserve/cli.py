@@ -63,15 +63,34 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_parsers(sub)  # `bench serve`, ...: each registers in chunkserve/bench/cli.py
 
-    from chunkserve.sim.cli import add_profile_args, add_sim_args, run_profile, run_sim
+    from chunkserve.sim.cli import add_sim_args
 
     sim = sub.add_parser("sim", help="simulate the sweep for hardware you do not have")
     add_sim_args(sim)
-    sim.set_defaults(func=run_sim)
+    sim.set_defaults(func=_sim)
     prof = sub.add_parser("profile", help="calibrate the simulator's cost model on this machine")
+    from chunkserve.bench.calibration import add_profile_args
+
     add_profile_args(prof)
-    prof.set_defaults(func=run_profile)
+    prof.set_defaults(func=_profile)
     return parser
+
+
+def _sim(args: argparse.Namespace) -> int:
+    from chunkserve.sim.cli import run_sim
+
+    # --validate's real runs need the model: the benchmarks measure them, the simulator scores.
+    if args.validate and not args.real_runs:
+        from chunkserve.bench.validation_runs import measure_real_runs
+
+        return run_sim(args, measure_real_runs)
+    return run_sim(args)
+
+
+def _profile(args: argparse.Namespace) -> int:
+    from chunkserve.bench.calibration import run_profile
+
+    return run_profile(args)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -263,7 +263,8 @@ def test_random_operations_keep_block_accounting_consistent(data: st.DataObject)
     )
     num_swap = data.draw(st.integers(0, 2 * num_blocks), label="num_swap_blocks")
     sched = Scheduler(
-        config, CacheConfig(block_size=block_size, preemption_mode=mode), num_blocks, num_swap
+        config.resolve(), CacheConfig(block_size=block_size, preemption_mode=mode), num_blocks,
+        num_swap,
     )
     expected: dict[str, Request] = {}  # requests that must end by max_tokens
     next_id = 0

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from chunkserve import LLM, SamplingParams
+from chunkserve.engine.trace import read_trace
 from chunkserve.model.factory import LoadedModel, load_model
 
 MAX_TOKENS = 12
@@ -86,15 +87,17 @@ def test_no_chunk_policies_match_alone(tiny, tiny_prompts, tiny_reference, sched
     ("orca", 256),
 ])
 def test_forced_preemption_matches_alone(
-    tiny, crowded_prompts, crowded_reference, mode, scheduler, budget
+    tiny, crowded_prompts, crowded_reference, mode, scheduler, budget, tmp_path
 ):
+    trace = str(tmp_path / "steps.jsonl")
     tokens, llm = _generate(
         tiny, crowded_prompts, model=tiny.path, scheduler=scheduler, max_num_batched_tokens=budget,
-        num_kv_blocks=16, preemption_mode=mode,
+        num_kv_blocks=16, preemption_mode=mode, trace_file=trace,
     )
+    llm.engine.close()
     assert llm.engine.scheduler.num_preemptions > 0
     if mode == "swap":
-        assert any(r.num_swapped_blocks for r in llm.engine.trace.records)
+        assert any(r.num_swapped_blocks for r in read_trace(trace))
     assert tokens == crowded_reference
     assert llm.engine.scheduler.kv.stats().num_used_blocks == 0
 

@@ -33,7 +33,8 @@ class Scheduler:
         num_kv_blocks: int,
         num_swap_blocks: int = 0,
     ) -> None:
-        config.finalize()
+        # Defaults are decided once, by SchedulerConfig.resolve(); the scheduler only runs them.
+        assert config.is_resolved, "the scheduler takes a resolved config (SchedulerConfig.resolve)"
         self.config = config
         self.cache_config = cache_config
         self.kv = KVCacheManager(num_kv_blocks, cache_config.block_size)
@@ -102,7 +103,7 @@ class Scheduler:
         elif policy == "orca":
             self._schedule_decodes()
             self._admit_waiting()
-        else:  # finalize() rejects unknown names; this guards against later edits
+        else:  # resolve() rejects unknown names; this guards against later edits
             raise AssertionError(policy)
 
         out = self._out

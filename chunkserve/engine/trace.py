@@ -1,12 +1,12 @@
 """The step trace: one record per engine step, the ground truth for every latency analysis.
 
-The record's fields are a stable contract (docs/trace.md): the simulator emits the same records
-and the benchmarks read them. Add fields at the end; never rename or drop one.
+The record's fields are a stable contract (docs/trace.md): simulated steps get the same records
+(the same engine loop makes them) and the benchmarks read them. Add fields at the end; never
+rename or drop one.
 """
 from __future__ import annotations
 
 import json
-from collections import deque
 from dataclasses import asdict, dataclass
 from typing import IO
 
@@ -58,23 +58,13 @@ def step_record(step: int, start: float, duration: float, out: SchedulerOutput) 
 
 
 class StepTrace:
-    def __init__(self, path: str | None = None, max_records: int | None = 100_000) -> None:
-        # Bounded in memory so a long-running server does not grow without end; the file,
-        # when asked for, keeps every step.
-        self.records: deque[StepRecord] = deque(maxlen=max_records)
+    """Writes every step's record to `--trace-file`. Nothing is kept in memory: each step's
+    record comes back in its StepResult, and a caller that wants a history keeps its own."""
+
+    def __init__(self, path: str | None = None) -> None:
         self._file: IO[str] | None = open(path, "w", buffering=1) if path else None
 
-    def keep_all(self) -> None:
-        """Lifts the in-memory bound: a benchmark of bounded length needs every step."""
-        self.records = deque(self.records, maxlen=None)
-
-    def keep_last(self, n: int) -> None:
-        """Tightens the bound: a server reads only the newest record, and 100,000 of them are
-        ~30 MB that its RSS would gain over its first hours."""
-        self.records = deque(self.records, maxlen=n)
-
     def add(self, record: StepRecord) -> None:
-        self.records.append(record)
         if self._file is not None:
             self._file.write(json.dumps(asdict(record)) + "\n")
 

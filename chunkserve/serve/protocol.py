@@ -228,7 +228,7 @@ class CompletionRequest(_SamplingRequest):
             return [list(p)]  # type: ignore[arg-type]
         return list(p)  # type: ignore[arg-type]
 
-    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
+    def to_sampling_params(self, default_max_tokens: int | None) -> SamplingParams:
         max_tokens = default_max_tokens if self.max_tokens is None else self.max_tokens
         return self._sampling_params(max_tokens, self.logprobs)
 
@@ -252,8 +252,8 @@ class ChatCompletionRequest(_SamplingRequest):
         """Messages with string content, ready for a jinja chat template."""
         return [m.as_dict() for m in self.messages]
 
-    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        """`default_max_tokens` is what is left of the context (max_model_len - prompt)."""
+    def to_sampling_params(self, default_max_tokens: int | None) -> SamplingParams:
+        """`default_max_tokens` None: what is left of the context (the Processor fills it in)."""
         max_tokens = self.max_completion_tokens
         if max_tokens is None:
             max_tokens = self.max_tokens
