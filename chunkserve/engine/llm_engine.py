@@ -176,9 +176,6 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
-    def get_num_unfinished_requests(self) -> int:
-        return len(self.scheduler.waiting) + len(self.scheduler.running)
-
     def stats(self) -> EngineStats:
         """The engine's state now: what the server's gauges and admission read."""
         kv = self.scheduler.kv.stats()
