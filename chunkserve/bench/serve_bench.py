@@ -195,7 +195,11 @@ async def _bench(args: argparse.Namespace) -> int:
     ignore_eos = args.ignore_eos if args.ignore_eos is not None else args.dataset_name in _SYNTHETIC
 
     timeout = aiohttp.ClientTimeout(total=_REQUEST_TIMEOUT_S)
-    connector = aiohttp.TCPConnector(limit=args.max_concurrency or 0)
+    # force_close: one connection per request. A kept-alive connection that sat idle past the
+    # server's keep-alive timeout (uvicorn: 5 s) can be closed by the server just as the client
+    # reuses it; under sparse open-loop arrivals that failed requests with "Server
+    # disconnected" against both chunkserve and llama-server. A loopback connect costs ~0.1 ms.
+    connector = aiohttp.TCPConnector(limit=args.max_concurrency or 0, force_close=True)
     # read_bufsize: SSE lines longer than aiohttp's 64 KiB default would fail a request.
     async with aiohttp.ClientSession(timeout=timeout, connector=connector,
                                      read_bufsize=2**20) as session:
