@@ -203,8 +203,13 @@ class LLMEngine:
             delta_text=state.detokenizer.get_next_delta(finished),
         )
         return RequestOutput(
-            req.request_id, state.prompt, req.prompt_token_ids, [completion], finished, m
+            req.request_id, state.prompt, req.prompt_token_ids, [completion], finished, m,
+            num_cached_tokens=max(0, req.num_cached_tokens),
         )
+
+    def reset_prefix_cache(self) -> int:
+        """Forgets every cached prefix (vLLM's reset_prefix_cache); call between steps."""
+        return self.scheduler.reset_prefix_cache()
 
     def commit_kv_memory(self) -> None:
         """Writes the KV pools once, so all their memory is resident from now on.

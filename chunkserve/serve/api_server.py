@@ -15,6 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from chunkserve import __version__
 from chunkserve.engine.llm_engine import LLMEngine
 from chunkserve.serve.async_engine import AsyncEngine
+from chunkserve.serve.cache_endpoints import register_cache_routes
 from chunkserve.serve.metrics import ServerMetrics
 from chunkserve.serve.middleware import EdgeMiddleware
 from chunkserve.serve.openai_endpoints import register_openai_routes
@@ -118,6 +119,7 @@ def build_app(
         }
 
     register_openai_routes(app, serving)
+    register_cache_routes(app, async_engine)
     return app
 
 
