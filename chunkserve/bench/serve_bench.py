@@ -18,6 +18,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from chunkserve.bench.metrics import METRIC_NAMES, RequestResult, compute_metrics, print_summary
+from chunkserve.bench.shared_prefix import add_shared_prefix_args, spec_from_args
 from chunkserve.bench.workloads import DATASET_NAMES, BenchRequest, arrival_times, sample_requests
 
 if TYPE_CHECKING:
@@ -27,7 +28,7 @@ if TYPE_CHECKING:
 _REQUEST_TIMEOUT_S = 6 * 60 * 60
 _BACKENDS = {"openai": "/v1/completions", "vllm": "/v1/completions",
              "openai-chat": "/v1/chat/completions"}
-_SYNTHETIC = ("random", "mixed", "sharegpt-like")
+_SYNTHETIC = ("random", "mixed", "sharegpt-like", "shared-prefix")
 
 
 def int_pair(text: str) -> tuple[int, int]:
@@ -72,6 +73,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     data.add_argument("--mixed-short-input-range", type=int_pair, default=(32, 256),
                       metavar="LOW:HIGH")
     data.add_argument("--mixed-output-range", type=int_pair, default=(32, 128), metavar="LOW:HIGH")
+    add_shared_prefix_args(data)
 
     load = p.add_argument_group("traffic")
     load.add_argument("--request-rate", type=float, default=math.inf,
@@ -245,7 +247,8 @@ async def _bench(args: argparse.Namespace) -> int:
             random_range_ratio=args.random_range_ratio, long_fraction=args.mixed_long_fraction,
             long_input_range=args.mixed_long_input_range,
             short_input_range=args.mixed_short_input_range,
-            output_range=args.mixed_output_range, dataset_path=args.dataset_path)
+            output_range=args.mixed_output_range, dataset_path=args.dataset_path,
+            shared_prefix=spec_from_args(args))
         distribution = "Poisson process" if args.burstiness == 1.0 else "Gamma distribution"
         print(f"Traffic request rate: {args.request_rate}")
         print(f"Burstiness factor: {args.burstiness} ({distribution})")

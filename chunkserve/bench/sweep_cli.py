@@ -20,6 +20,7 @@ from chunkserve.bench.sweep import (
     sweep_points,
 )
 from chunkserve.bench.serve_bench import int_pair
+from chunkserve.bench.shared_prefix import add_shared_prefix_args, spec_from_args
 from chunkserve.bench.workloads import arrival_times, sample_requests
 from chunkserve.config import (
     ATTENTION_BACKENDS,
@@ -33,7 +34,8 @@ from chunkserve.config import (
 
 def add_workload_args(p: argparse.ArgumentParser) -> None:
     """The workload flags `bench sweep` shares with the simulator (same names as bench serve)."""
-    p.add_argument("--dataset-name", default="mixed", choices=["random", "mixed", "sharegpt-like", "file"])
+    p.add_argument("--dataset-name", default="mixed",
+                   choices=["random", "mixed", "sharegpt-like", "shared-prefix", "file"])
     p.add_argument("--dataset-path", default=None)
     p.add_argument("--num-prompts", type=int, default=100)
     p.add_argument("--random-input-len", type=int, default=1024)
@@ -46,6 +48,9 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mixed-short-input-range", type=int_pair, default=(32, 256),
                    metavar="LOW:HIGH")
     p.add_argument("--mixed-output-range", type=int_pair, default=(32, 128), metavar="LOW:HIGH")
+    add_shared_prefix_args(p)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse cached KV of shared prefixes (vLLM V1: on)")
     p.add_argument("--seed", type=int, default=0)
     rate = p.add_mutually_exclusive_group()
     rate.add_argument("--request-rate", type=float, default=None, help="req/s; inf = all at once")
@@ -106,7 +111,7 @@ def workload_from_args(args: argparse.Namespace, tokenizer: Any) -> list[Any]:
         random_range_ratio=args.random_range_ratio, long_fraction=args.mixed_long_fraction,
         long_input_range=args.mixed_long_input_range,
         short_input_range=args.mixed_short_input_range, output_range=args.mixed_output_range,
-        dataset_path=args.dataset_path,
+        dataset_path=args.dataset_path, shared_prefix=spec_from_args(args),
     )
 
 
@@ -133,7 +138,7 @@ def run_sweep(args: argparse.Namespace) -> int:
     engine_kwargs: dict[str, Any] = dict(
         block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
         max_num_seqs=args.max_num_seqs, kv_cache_memory=args.kv_cache_memory,
-        enforce_eager=args.enforce_eager,
+        enforce_eager=args.enforce_eager, enable_prefix_caching=args.enable_prefix_caching,
     )
     rate = args.request_rate
     if args.load is not None:

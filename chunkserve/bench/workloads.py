@@ -12,7 +12,7 @@ from typing import Protocol
 
 import numpy as np
 
-DATASET_NAMES = ("random", "mixed", "sharegpt-like", "file")
+DATASET_NAMES = ("random", "mixed", "sharegpt-like", "shared-prefix", "file")
 
 # ShareGPT-like lengths (no download): log-normal fits of ShareGPT V3 as vLLM filters it (prompts
 # and outputs of 4..1024 tokens, prompt + output <= 2048). Medians/sigmas give means near the
@@ -197,7 +197,8 @@ def sample_requests(dataset_name: str, tokenizer: BenchTokenizer, num_prompts: i
                     long_input_range: tuple[int, int] = (2048, 4096),
                     short_input_range: tuple[int, int] = (32, 256),
                     output_range: tuple[int, int] = (32, 128),
-                    dataset_path: str | None = None) -> list[BenchRequest]:
+                    dataset_path: str | None = None,
+                    shared_prefix: object | None = None) -> list[BenchRequest]:
     """`num_prompts` requests of the named dataset; the same seed gives the same requests.
 
     prompt_len counts tokens without special tokens (vLLM's convention): a server whose
@@ -210,6 +211,12 @@ def sample_requests(dataset_name: str, tokenizer: BenchTokenizer, num_prompts: i
             raise ValueError("the 'file' dataset needs --dataset-path (JSONL: prompt, output_len)")
         rng = np.random.default_rng(seed)
         return _from_file(dataset_path, tokenizer, rng, num_prompts, random_output_len)
+    if dataset_name == "shared-prefix":
+        # Imported here: that module builds on this one. `shared_prefix` is its spec.
+        from chunkserve.bench.shared_prefix import SharedPrefixSpec, shared_prefix_requests
+
+        spec = shared_prefix if isinstance(shared_prefix, SharedPrefixSpec) else SharedPrefixSpec()
+        return shared_prefix_requests(spec, num_prompts, seed, random_output_len, tokenizer)
     if dataset_name not in DATASET_NAMES:
         raise ValueError(f"unknown dataset {dataset_name!r}; expected one of "
                          f"{', '.join(DATASET_NAMES)}")

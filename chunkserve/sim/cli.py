@@ -14,7 +14,8 @@ from chunkserve.bench.sweep_cli import (
     check_workload_args,
     sweep_and_report,
 )
-from chunkserve.bench.workloads import arrival_times, sample_lengths
+from chunkserve.bench.shared_prefix import shared_prefix_requests, spec_from_args
+from chunkserve.bench.workloads import BenchRequest, arrival_times, sample_lengths
 from chunkserve.config import DTYPES
 from chunkserve.sim.cost_model import (
     ATTENTION_BACKENDS,
@@ -74,19 +75,14 @@ def run_sim(args: argparse.Namespace) -> int:
 
         return run_validation(args)
     if args.dataset_name == "file":
-        raise ValueError("the simulator needs lengths only: use random, mixed or sharegpt-like")
+        raise ValueError("the simulator needs lengths only: use random, mixed, sharegpt-like "
+                         "or shared-prefix")
     cost, blocks, max_len = build_cost_model(args)
-    input_lens, output_lens, _ = sample_lengths(
-        args.dataset_name, args.num_prompts, args.seed,
-        random_input_len=args.random_input_len, random_output_len=args.random_output_len,
-        random_range_ratio=args.random_range_ratio, long_fraction=args.mixed_long_fraction,
-        long_input_range=args.mixed_long_input_range,
-        short_input_range=args.mixed_short_input_range, output_range=args.mixed_output_range,
-    )
-    requests = length_requests(input_lens, output_lens)
+    requests = _sim_requests(args)
     check_fits(requests, max_len)
     config = SimConfig(max_model_len=max_len, num_kv_blocks=blocks, block_size=args.block_size,
-                       max_num_seqs=args.max_num_seqs)
+                       max_num_seqs=args.max_num_seqs,
+                       enable_prefix_caching=args.enable_prefix_caching)
     points = sweep_points(parse_chunk_sizes(args.chunk_sizes), args.scheduler, args.baseline)
     rate = args.request_rate
     if args.load is not None:
@@ -104,6 +100,22 @@ def run_sim(args: argparse.Namespace) -> int:
         points, lambda p: simulate(p, config, cost, requests, arrivals), extra, args, title,
         command,
     )
+
+
+def _sim_requests(args: argparse.Namespace) -> list[BenchRequest]:
+    """The workload's requests: lengths only, or token ids where the dataset shares prefixes
+    (the simulator's scheduler then finds the same cache hits the real engine would)."""
+    if args.dataset_name == "shared-prefix":
+        return shared_prefix_requests(spec_from_args(args), args.num_prompts, args.seed,
+                                      args.random_output_len)
+    input_lens, output_lens, _ = sample_lengths(
+        args.dataset_name, args.num_prompts, args.seed,
+        random_input_len=args.random_input_len, random_output_len=args.random_output_len,
+        random_range_ratio=args.random_range_ratio, long_fraction=args.mixed_long_fraction,
+        long_input_range=args.mixed_long_input_range,
+        short_input_range=args.mixed_short_input_range, output_range=args.mixed_output_range,
+    )
+    return length_requests(input_lens, output_lens)
 
 
 def simulated_capacity(points: list[Any], config: SimConfig, cost: CostModel,

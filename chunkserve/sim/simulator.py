@@ -32,6 +32,7 @@ class SimConfig:
     max_num_seqs: int = 256
     preemption_mode: str = "recompute"
     num_swap_blocks: int = 0
+    enable_prefix_caching: bool = True
 
 
 class SimEngine:
@@ -42,7 +43,8 @@ class SimEngine:
             max_model_len=config.max_model_len, scheduler=point.scheduler,
         )
         cache = CacheConfig(block_size=config.block_size, num_kv_blocks=config.num_kv_blocks,
-                            preemption_mode=config.preemption_mode)
+                            preemption_mode=config.preemption_mode,
+                            enable_prefix_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(sched, cache, config.num_kv_blocks, config.num_swap_blocks)
         self.cost_model = cost_model
         self.clock = 0.0
@@ -50,9 +52,14 @@ class SimEngine:
         self._metrics: dict[str, RequestMetrics] = {}
         self.scheduled_log: list[list[tuple[str, int]]] = []  # (request, tokens) of every step
 
-    def add_request(self, request_id: str, prompt_len: int, output_len: int, arrival: float) -> None:
+    def add_request(self, request_id: str, prompt_len: int, output_len: int, arrival: float,
+                    prompt_token_ids: Sequence[int] | None = None) -> None:
+        """Without token ids (a lengths-only workload) the prompt is unique to the request, so
+        the prefix cache finds nothing in it: dummy tokens alone would all share one prefix."""
         params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
-        req = Request(request_id, [DUMMY_TOKEN] * prompt_len, params, arrival)
+        tokens = list(prompt_token_ids) if prompt_token_ids else _unique_prompt(
+            request_id, prompt_len)
+        req = Request(request_id, tokens, params, arrival)
         self.scheduler.add_request(req)
         self._metrics[request_id] = RequestMetrics(arrival)
 
@@ -100,7 +107,8 @@ def simulate(
     while nxt < len(order) or engine.has_unfinished_requests():
         while nxt < len(order) and arrivals[order[nxt]] <= engine.clock:
             i = order[nxt]
-            engine.add_request(f"r{i}", requests[i].prompt_len, requests[i].output_len, arrivals[i])
+            engine.add_request(f"r{i}", requests[i].prompt_len, requests[i].output_len, arrivals[i],
+                               requests[i].prompt_token_ids)
             nxt += 1
         if engine.has_unfinished_requests():
             for out in engine.step():
@@ -109,6 +117,11 @@ def simulate(
             engine.clock = max(engine.clock, arrivals[order[nxt]])
     return RunResult(point, [results[f"r{i}"] for i in range(len(requests))],
                      list(engine.trace.records), engine.clock)
+
+
+def _unique_prompt(request_id: str, prompt_len: int) -> list[int]:
+    # The first token differs per request; block hashes chain, so every block then differs.
+    return [hash(request_id) & 0x7FFFFFFF] + [DUMMY_TOKEN] * (prompt_len - 1)
 
 
 def length_requests(input_lens: Sequence[int], output_lens: Sequence[int]) -> list[BenchRequest]:
