@@ -65,6 +65,8 @@ class CacheConfig:
     num_kv_blocks: int | None = None  # overrides kv_cache_memory when set
     swap_space: float = 4.0  # GiB of host memory for swapped-out blocks
     preemption_mode: str = "recompute"
+    # vLLM V1's automatic prefix caching, on by default as there.
+    enable_prefix_caching: bool = True
 
     def verify(self) -> None:
         if self.block_size < 1:

@@ -47,7 +47,8 @@ def test_generate_returns_vllm_shaped_outputs(tiny):
         assert m.num_preemptions == 0
     # 40 prompt tokens in a 16-token budget take 3 steps: the first token comes on the third.
     engine = llm.engine
-    engine.add_request("p", PROMPT, greedy(6))
+    fresh = [t + 1 for t in PROMPT]  # not in the prefix cache: PROMPT's blocks are
+    engine.add_request("p", fresh, greedy(6))
     steps = [engine.step() for _ in range(3)]
     assert [s.record.num_prefill_tokens for s in steps] == [16, 16, 8]
     assert [len(s.outputs) for s in steps] == [0, 0, 1]

@@ -2,6 +2,8 @@
 prefill, preemption, priority, stop rules, config resolution and import hygiene."""
 from __future__ import annotations
 
+import zlib
+
 import ast
 import math
 import pathlib
@@ -60,8 +62,9 @@ def make_request(
     **params: object,
 ) -> Request:
     sp = SamplingParams(max_tokens=max_tokens, temperature=0, **params)  # type: ignore[arg-type]
-    # Prompt tokens never equal EOS/TOKEN, so the prompt content cannot matter.
-    prompt = [100 + i % 50 for i in range(prompt_len)]
+    # Prompt tokens never equal EOS/TOKEN, so the prompt content cannot matter; the first token
+    # is the request's own, so no two requests share a prefix-cache block by accident.
+    prompt = [1000 + zlib.crc32(rid.encode())] + [100 + i % 50 for i in range(1, prompt_len)]
     return Request(rid, prompt, sp, arrival, eos_token_ids=list(eos), priority=priority)
 
 

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 _REQUEST_TIMEOUT_S = 6 * 60 * 60
 _BACKENDS = {"openai": "/v1/completions", "vllm": "/v1/completions",
              "openai-chat": "/v1/chat/completions"}
-_SYNTHETIC = ("random", "mixed", "sharegpt-like")
+_SYNTHETIC = ("random", "mixed", "sharegpt-like", "shared-prefix")
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:

@@ -41,7 +41,7 @@ def run_sweep(args: argparse.Namespace) -> int:
     engine_kwargs: dict[str, Any] = dict(
         block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
         max_num_seqs=args.max_num_seqs, kv_cache_memory=args.kv_cache_memory,
-        enforce_eager=args.enforce_eager,
+        enforce_eager=args.enforce_eager, enable_prefix_caching=args.enable_prefix_caching,
     )
     rate = args.request_rate
     if args.load is not None:

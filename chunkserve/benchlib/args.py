@@ -14,6 +14,11 @@ from typing import Any
 import numpy as np
 
 from chunkserve.benchlib.metrics import parse_goodput
+from chunkserve.benchlib.shared_prefix import (
+    add_shared_prefix_args,
+    shared_prefix_requests,
+    spec_from_args,
+)
 from chunkserve.benchlib.sweep import parse_chunk_sizes
 from chunkserve.benchlib.workloads import (
     DATASET_NAMES,
@@ -54,6 +59,7 @@ def add_workload_args(
     p.add_argument("--mixed-short-input-range", type=int_pair, default=(32, 256),
                    metavar="LOW:HIGH")
     p.add_argument("--mixed-output-range", type=int_pair, default=(32, 128), metavar="LOW:HIGH")
+    add_shared_prefix_args(p)
     p.add_argument("--burstiness", type=float, default=1.0,
                    help="gamma shape of arrival gaps: 1 Poisson, <1 burstier, >1 steadier")
 
@@ -72,6 +78,8 @@ def add_sweep_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse cached KV of shared prefixes (vLLM V1: on)")
     p.add_argument("--percentiles", default="50,90,99", help="metric percentiles to report")
     p.add_argument("--goodput", nargs="*", default=None, help="SLOs like ttft:2000 tpot:100 e2el:20000")
     p.add_argument("--out", required=True, help="output folder for results.json, table.md, plots")
@@ -100,16 +108,24 @@ def workload_requests(
     args: argparse.Namespace, tokenizer: BenchTokenizer, seed: int | None = None
 ) -> list[BenchRequest]:
     """The flags' workload as real prompts (`seed` overrides --seed: a validation repeat)."""
-    return sample_requests(args.dataset_name, tokenizer, args.num_prompts,
-                           args.seed if seed is None else seed,
+    seed = args.seed if seed is None else seed
+    if args.dataset_name == "shared-prefix":
+        return shared_prefix_requests(spec_from_args(args), args.num_prompts, seed,
+                                      args.random_output_len, tokenizer)
+    return sample_requests(args.dataset_name, tokenizer, args.num_prompts, seed,
                            dataset_path=args.dataset_path, **_length_kwargs(args))
 
 
 def workload_lengths(args: argparse.Namespace) -> list[BenchRequest]:
     """The flags' workload as lengths only: all a simulation needs, and the same lengths as
-    `workload_requests` draws for the seed."""
+    `workload_requests` draws for the seed. `shared-prefix` keeps token ids (made without a
+    tokenizer): which prompts share blocks is what decides the simulated cache hits."""
     if args.dataset_name == "file":
-        raise ValueError("the simulator needs lengths only: use random, mixed or sharegpt-like")
+        raise ValueError("the simulator needs lengths only: use random, mixed, sharegpt-like or "
+                         "shared-prefix")
+    if args.dataset_name == "shared-prefix":
+        return shared_prefix_requests(spec_from_args(args), args.num_prompts, args.seed,
+                                      args.random_output_len)
     input_lens, output_lens, _ = sample_lengths(args.dataset_name, args.num_prompts, args.seed,
                                                 **_length_kwargs(args))
     return length_requests(input_lens, output_lens)
@@ -122,9 +138,12 @@ PLACEHOLDER_TOKEN = 0
 def length_requests(
     input_lens: Sequence[int] | np.ndarray, output_lens: Sequence[int] | np.ndarray
 ) -> list[BenchRequest]:
-    """Requests that carry lengths (and placeholder prompt tokens) only."""
-    return [BenchRequest("", [PLACEHOLDER_TOKEN] * int(i), int(i), int(o))
-            for i, o in zip(input_lens, output_lens)]
+    """Requests that carry lengths (and placeholder prompt tokens) only. Each prompt starts
+    with its own index: placeholders alone would make every prompt share one prefix, and the
+    prefix cache would skip what a real workload of unrelated prompts computes (block hashes
+    chain, so a differing first token makes every block differ)."""
+    return [BenchRequest("", [1 + k] + [PLACEHOLDER_TOKEN] * (int(i) - 1), int(i), int(o))
+            for k, (i, o) in enumerate(zip(input_lens, output_lens))]
 
 
 def check_fits(requests: Sequence[BenchRequest], max_model_len: int) -> None:

@@ -14,10 +14,16 @@ the simulator drive the very same code. Policies (`SchedulerConfig.scheduler`):
 
 When a block cannot be allocated the most recently admitted running request is preempted,
 by recompute (KV dropped, it re-prefills prompt + output) or swap (KV copied to host).
+
+With prefix caching, admission first looks up the request's longest cached prefix of full
+blocks: those tokens count as computed, and its first chunk starts right after them, so the
+budget is spent only on tokens still to compute. A recompute-preempted request's own blocks
+stay cached after it is evicted, so its re-prefill usually hits most of them.
 """
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import replace
 
 from chunkserve.config import CacheConfig, SchedulerConfig
 from chunkserve.core.kv_cache import KVCacheManager, SwapSpace
@@ -37,7 +43,9 @@ class Scheduler:
         assert config.is_resolved, "the scheduler takes a resolved config (SchedulerConfig.resolve)"
         self.config = config
         self.cache_config = cache_config
-        self.kv = KVCacheManager(num_kv_blocks, cache_config.block_size)
+        self.kv = KVCacheManager(
+            num_kv_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+        )
         self.swap = SwapSpace(num_swap_blocks if cache_config.preemption_mode == "swap" else 0)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: the last one is the next victim
@@ -74,6 +82,10 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def reset_prefix_cache(self) -> int:
+        """Forgets every cached prefix (POST /reset_prefix_cache); see KVCacheManager."""
+        return self.kv.reset_prefix_cache()
+
     def _release(self, req: Request) -> None:
         self.kv.free(req.request_id)
         self.swap.free(req.request_id)
@@ -109,6 +121,7 @@ class Scheduler:
         out = self._out
         out.scheduled = list(self._scheduled.values())
         out.kv_stats = self.kv.stats()
+        out.prefix_cache_stats = replace(self.kv.prefix_stats)
         out.num_running = len(self.running)
         out.num_waiting = len(self.waiting)
         return out
@@ -145,14 +158,19 @@ class Scheduler:
             return
         while self.waiting and self._budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self._peek_waiting()
-            n = self._chunk(req)
-            if not self.config.chunked and n < req.num_uncomputed_tokens:
+            # A swapped-out request brings its own KV back; anyone else may hit the cache.
+            hits = [] if req.swapped_out else self.kv.get_computed_blocks(req)
+            num_hit = len(hits) * self.kv.block_size
+            n = self._chunk(req, num_hit)
+            if not self.config.chunked and n < req.num_uncomputed_tokens - num_hit:
                 break  # a whole prompt must fit the step: wait for a step with more budget
             blocks_before = self.swap.tables.get(req.request_id, [])
             expected = min(req.num_prompt_tokens + self._max_tokens(req), self.config.max_model_len)
-            if self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n, expected) is None:
+            start = req.num_computed_tokens + num_hit
+            if self.kv.allocate_slots(req.request_id, start + n, expected, hits) is None:
                 break  # strict FCFS: nobody overtakes a request that does not fit
             self._remove_waiting(req)
+            self._apply_hit(req, num_hit)
             if req.swapped_out:
                 table = self.kv.block_tables[req.request_id]
                 self._out.blocks_to_swap_in += self.swap.swap_in(
@@ -164,8 +182,19 @@ class Scheduler:
             self._commit(req, n)
 
     # ---- helpers --------------------------------------------------------------------------------
-    def _chunk(self, req: Request) -> int:
-        n = req.num_uncomputed_tokens
+    def _apply_hit(self, req: Request, num_hit: int) -> None:
+        """An admitted request skips its cached tokens; the lookup is counted once here."""
+        if not req.swapped_out and self.kv.enable_caching:
+            self.kv.record_lookup(req.num_tokens, num_hit)
+            self._out.prefix_cache_queries += req.num_tokens
+            self._out.prefix_cache_hits += num_hit
+        req.num_computed_tokens += num_hit
+        if req.num_cached_tokens < 0:  # what the client is told: the hit at first schedule
+            req.num_cached_tokens = num_hit
+
+    def _chunk(self, req: Request, num_cached: int = 0) -> int:
+        """Tokens to compute this step, after the first `num_cached` uncomputed ones (a hit)."""
+        n = req.num_uncomputed_tokens - num_cached
         threshold = self.config.long_prefill_token_threshold
         # A chunk-size cap: only meaningful when chunking. A no-chunk policy must run the whole
         # prompt in one step, so capping it there would leave the prompt waiting forever.
@@ -203,6 +232,7 @@ class Scheduler:
         # Optimistic, as in vLLM: the tokens count as computed once scheduled.
         req.num_computed_tokens += n
         self._budget -= n
+        self.kv.cache_blocks(req, req.num_computed_tokens)
 
     def _pick_victim(self) -> Request:
         candidates = [r for r in self.running if r.request_id not in self._scheduled]

@@ -52,6 +52,8 @@ def add_engine_args(p: argparse.ArgumentParser, model_flag: bool = True) -> None
     c.add_argument("--num-kv-blocks", type=int, default=None, help="overrides --kv-cache-memory")
     c.add_argument("--preemption-mode", choices=PREEMPTION_MODES, default="recompute")
     c.add_argument("--swap-space", type=float, default=4.0, help="GiB of host swap (swap mode)")
+    c.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV of full blocks shared with earlier prompts (vLLM V1: on)")
     p.add_argument("--trace-file", default=None, help="write one JSON line per engine step")
 
 
@@ -60,7 +62,7 @@ ENGINE_KEYS = (
     "enforce_eager", "quantization", "enable_chunked_prefill",
     "max_num_batched_tokens", "max_num_seqs", "scheduler", "long_prefill_token_threshold",
     "scheduling_policy", "block_size", "kv_cache_memory", "num_kv_blocks", "preemption_mode",
-    "swap_space", "trace_file",
+    "swap_space", "trace_file", "enable_prefix_caching",
 )
 
 

@@ -195,6 +195,9 @@ class LLMEngine:
             outputs = [self._process(req, now, result.logprobs.get(req.request_id))
                        for req in updated]
         except Exception as e:
+            # Blocks indexed for this step's tokens may never have received their KV: forget
+            # every cached prefix rather than serve one that was never written.
+            self.scheduler.reset_prefix_cache()
             raise StepError([s.request.request_id for s in out.scheduled]) from e
         record = step_record(self._step_count, start, self.clock() - start, out)
         self.trace.add(record)
@@ -232,8 +235,13 @@ class LLMEngine:
             delta_text=detok.get_next_delta(finished) if detok is not None else "",
         )
         return RequestOutput(
-            req.request_id, state.prompt, req.prompt_token_ids, [completion], finished, m
+            req.request_id, state.prompt, req.prompt_token_ids, [completion], finished, m,
+            num_cached_tokens=max(0, req.num_cached_tokens),
         )
+
+    def reset_prefix_cache(self) -> int:
+        """Forgets every cached prefix (vLLM's reset_prefix_cache); call between steps."""
+        return self.scheduler.reset_prefix_cache()
 
     def commit_kv_memory(self) -> None:
         self.executor.commit_kv_memory()

@@ -29,6 +29,11 @@ class StepRecord:
     internal_fragmentation: int  # allocated slots minus stored tokens
     num_preemptions: int  # in this step
     num_swapped_blocks: int  # blocks copied out + in this step
+    # Prefix caching (defaults keep older trace files readable). Queries and hits are token
+    # counts of the requests admitted this step; the hit rate is cumulative since start.
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    prefix_cache_hit_rate: float = 0.0
 
     @property
     def num_tokens(self) -> int:
@@ -54,6 +59,9 @@ def step_record(step: int, start: float, duration: float, out: SchedulerOutput) 
         internal_fragmentation=stats.internal_fragmentation,
         num_preemptions=len(out.preempted_req_ids),
         num_swapped_blocks=len(out.blocks_to_swap_out) + len(out.blocks_to_swap_in),
+        prefix_cache_queries=out.prefix_cache_queries,
+        prefix_cache_hits=out.prefix_cache_hits,
+        prefix_cache_hit_rate=out.prefix_cache_stats.hit_rate if out.prefix_cache_stats else 0.0,
     )
 
 

@@ -15,6 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from chunkserve import __version__
 from chunkserve.engine.llm_engine import LLMEngine
 from chunkserve.serve.async_engine import AsyncEngine
+from chunkserve.serve.cache_endpoints import router as cache_router
 from chunkserve.serve.metrics import ServerMetrics
 from chunkserve.serve.middleware import EdgeMiddleware
 from chunkserve.serve.openai_endpoints import router as openai_router
@@ -67,6 +68,7 @@ def build_app(
     _add_error_handlers(app)
     app.include_router(router)
     app.include_router(openai_router)
+    app.include_router(cache_router)
     return app
 
 

@@ -8,6 +8,7 @@ the command queue when there is nothing to run, so an idle server burns no CPU.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
@@ -72,6 +73,12 @@ class _Abort:
 @dataclass
 class _FailAll:
     reason: str
+
+
+@dataclass
+class _ResetPrefixCache:
+    # Answered from the engine thread: the cache may only change between steps.
+    done: concurrent.futures.Future[int]
 
 
 _STOP = object()
@@ -177,6 +184,12 @@ class AsyncEngine:
             if not finished:  # cancelled, disconnected or the consumer stopped early
                 self._commands.put(_Abort(request_id))
 
+    async def reset_prefix_cache(self) -> int:
+        """Forgets every cached prefix (POST /reset_prefix_cache), between two steps."""
+        done: concurrent.futures.Future[int] = concurrent.futures.Future()
+        self._commands.put(_ResetPrefixCache(done))
+        return await asyncio.wrap_future(done)
+
     # ---- the engine thread ------------------------------------------------------------------
     def _run(self) -> None:
         try:
@@ -230,6 +243,8 @@ class AsyncEngine:
                 self._num_tokens.pop(cmd.request_id, None)
                 if self.metrics is not None:
                     self.metrics.observe_aborted()
+        elif isinstance(cmd, _ResetPrefixCache):
+            cmd.done.set_result(self.engine.reset_prefix_cache())
         elif isinstance(cmd, _FailAll):
             self._refusal = cmd.reason
             self._fail_all(lambda: ShuttingDownError(cmd.reason))

@@ -79,7 +79,8 @@ async def completions(
         )
         for i, out in sorted(result.items())
     ]
-    usage = P.usage(_prompt_tokens(prompts), sum(len(o.outputs[0].token_ids) for o in result.values()))
+    usage = P.usage(_prompt_tokens(prompts), sum(len(o.outputs[0].token_ids) for o in result.values()),
+                    _cached_tokens(result, req.n))
     return JSONResponse(P.completion_response(rid, serving.model_name, choices, usage, created))
 
 
@@ -110,7 +111,8 @@ async def chat(
         )
         for i, out in sorted(result.items())
     ]
-    usage = P.usage(_prompt_tokens(prompts), sum(len(o.outputs[0].token_ids) for o in result.values()))
+    usage = P.usage(_prompt_tokens(prompts), sum(len(o.outputs[0].token_ids) for o in result.values()),
+                    _cached_tokens(result, req.n))
     return JSONResponse(P.chat_response(rid, serving.model_name, choices, usage, created))
 
 
@@ -134,6 +136,12 @@ async def _collect_unless_disconnected(
 
 def _prompt_tokens(prompts: list[EngineRequest]) -> int:
     return sum(len(p.prompt_token_ids) for p in prompts)
+
+
+def _cached_tokens(finals: dict[int, RequestOutput], n: int) -> int:
+    """Prompt tokens served from the prefix cache, counted once per prompt like prompt_tokens
+    (choice i*n is the first sample of prompt i; its n samples share one prompt)."""
+    return sum(out.num_cached_tokens for index, out in finals.items() if index % n == 0)
 
 
 def _completion_logprobs(logprobs: list[Any] | None, render: Any,
@@ -191,7 +199,8 @@ def _completion_events(req, rid, created, prompts, stream, serving, render, echo
                 rid, model, index, c.delta_text, c.finish_reason, lp, created,
             ))
         if req.include_usage:
-            usage = P.usage(_prompt_tokens(prompts), seen.completion_tokens())
+            usage = P.usage(_prompt_tokens(prompts), seen.completion_tokens(),
+                            _cached_tokens(seen.finals, req.n))
             yield sse(P.usage_chunk(rid, model, "text_completion", usage, created))
 
     return _guarded(events())
@@ -216,7 +225,8 @@ def _chat_events(req, rid, created, prompts, stream, serving, render):  # type: 
                 None if logprobs is None else P.chat_logprobs(logprobs, render), created,
             ))
         if req.include_usage:
-            usage = P.usage(_prompt_tokens(prompts), seen.completion_tokens())
+            usage = P.usage(_prompt_tokens(prompts), seen.completion_tokens(),
+                            _cached_tokens(seen.finals, req.n))
             yield sse(P.usage_chunk(rid, model, "chat.completion.chunk", usage, created))
 
     return _guarded(events())

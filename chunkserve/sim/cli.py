@@ -71,7 +71,8 @@ def run_sim(args: argparse.Namespace, measure_real_runs: MeasureRealRuns | None 
     requests = workload_lengths(args)
     check_fits(requests, max_len)
     config = SimConfig(max_model_len=max_len, num_kv_blocks=blocks, block_size=args.block_size,
-                       max_num_seqs=args.max_num_seqs)
+                       max_num_seqs=args.max_num_seqs,
+                       enable_prefix_caching=args.enable_prefix_caching)
     points = sweep_points(parse_chunk_sizes(args.chunk_sizes), args.scheduler, args.baseline)
     rate = args.request_rate
     if args.load is not None:

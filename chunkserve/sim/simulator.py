@@ -28,6 +28,7 @@ class SimConfig:
     max_num_seqs: int = 256
     preemption_mode: str = "recompute"
     num_swap_blocks: int = 0
+    enable_prefix_caching: bool = True
 
 
 def sim_engine(point: SweepPoint, config: SimConfig, cost_model: CostModel,
@@ -36,7 +37,8 @@ def sim_engine(point: SweepPoint, config: SimConfig, cost_model: CostModel,
     engine_config = EngineConfig.from_kwargs(
         max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
         block_size=config.block_size, num_kv_blocks=config.num_kv_blocks,
-        preemption_mode=config.preemption_mode, **point.engine_kwargs(),
+        preemption_mode=config.preemption_mode,
+        enable_prefix_caching=config.enable_prefix_caching, **point.engine_kwargs(),
     ).resolve(config.max_model_len)
     executor = CostModelExecutor(cost_model, clock, config.num_kv_blocks, config.num_swap_blocks)
     # No tokenizer (outputs carry no text) and no vocabulary check (placeholder tokens).
