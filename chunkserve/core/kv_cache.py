@@ -86,6 +86,8 @@ class BlockPool:
 
         O(num_blocks) at worst, and only called when a request gets its first block.
         """
+        if length > len(self._free):  # with prefix caching most free blocks are evictable
+            return None
         for lo in (self._cursor, 0):
             run = 0
             for block in range(lo, self.num_blocks):
@@ -206,6 +208,11 @@ class KVCacheManager:
         reference. `expected_tokens` (prompt + max output) is a placement hint only: see
         BlockPool. All or nothing: on None no reference or block was taken.
         """
+        table = self.block_tables.get(request_id)
+        if not computed_blocks and table and len(table) * self.block_size >= num_tokens:
+            # Most calls: a decode whose last block still has room. Nothing to take.
+            self._num_stored[request_id] = num_tokens
+            return []
         hits = computed_blocks or []
         assert not hits or request_id not in self.block_tables, "hits only start a table"
         need = max(0, self.blocks_needed(request_id, num_tokens) - len(hits))
@@ -232,9 +239,12 @@ class KVCacheManager:
         if not self.enable_caching:
             return
         rid = request.request_id
-        table = self.block_tables[rid]
-        full = min(num_tokens // self.block_size, len(table))
+        full = num_tokens // self.block_size
         start = self._num_indexed.get(rid, 0)
+        if full <= start:  # most calls: a decode inside a block already indexed
+            return
+        table = self.block_tables[rid]
+        full = min(full, len(table))
         if full <= start:
             return
         hashes = self.block_hashes(request, full)
