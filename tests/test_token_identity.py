@@ -200,7 +200,7 @@ def test_prefix_caching_with_forced_preemption_matches_alone(
     # 12 blocks of 16: the 6 prompts (~240 tokens + output) cannot all run at once.
     first, second, llm = _twice(
         tiny, shared_prompts, scheduler=scheduler, max_num_batched_tokens=budget,
-        num_kv_blocks=12, preemption_mode=mode,
+        num_kv_blocks=12, preemption_mode=mode, max_model_len=128,  # the pool must hold one
     )
     assert llm.engine.scheduler.num_preemptions > 0
     assert llm.engine.scheduler.kv.prefix_stats.hits > 0
@@ -223,10 +223,10 @@ def test_aborts_with_prefix_caching_keep_other_tokens(tiny, shared_prompts, shar
             engine.abort_request(ids[1])  # mid-prefill
         if step == 12:
             engine.abort_request(ids[4])  # mid-decode (or late prefill)
-        for out in engine.step():
+        for out in engine.step().outputs:
             tokens[out.request_id] = out.outputs[0].token_ids
     while engine.has_unfinished_requests():
-        for out in engine.step():
+        for out in engine.step().outputs:
             tokens[out.request_id] = out.outputs[0].token_ids
     for i, rid in enumerate(ids):
         if i not in (1, 4):
