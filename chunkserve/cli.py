@@ -1,4 +1,4 @@
-"""`chunkserve` command line: generate, serve, bench serve|sweep, sim, profile."""
+"""`chunkserve` command line: generate, serve, bench serve|sweep, sim, profile, diagnose."""
 from __future__ import annotations
 
 import argparse
@@ -71,6 +71,12 @@ def build_parser() -> argparse.ArgumentParser:
     prof = sub.add_parser("profile", help="calibrate the simulator's cost model on this machine")
     add_profile_args(prof)
     prof.set_defaults(func=run_profile)
+
+    from chunkserve.diagnose.cli import add_diagnose_args, run_diagnose
+
+    diag = sub.add_parser("diagnose", help="attribute the slowest token gaps of a step trace")
+    add_diagnose_args(diag)
+    diag.set_defaults(func=run_diagnose)
     return parser
 
 
@@ -78,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, TypeError, FileNotFoundError) as e:
+    except (ValueError, TypeError, OSError) as e:
         # Bad input is the user's to fix: a one-line message, not a traceback.
         print(f"chunkserve: error: {e}", file=sys.stderr)
         return 2

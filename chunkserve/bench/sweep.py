@@ -31,7 +31,9 @@ class SweepPoint:
 
     def engine_kwargs(self, max_model_len: int) -> dict[str, Any]:
         if self.chunk_size == "none":
-            return dict(scheduler=self.scheduler, max_num_batched_tokens=max_model_len)
+            # The no-chunk baseline has no chunk to size: static even in an adaptive sweep.
+            return dict(scheduler=self.scheduler, max_num_batched_tokens=max_model_len,
+                        chunk_policy="static", target_itl_ms=None)
         return dict(scheduler=self.scheduler, max_num_batched_tokens=int(self.chunk_size))
 
 
@@ -122,8 +124,8 @@ def run_point(
     on_step: Callable[[LLMEngine], None] | None = None,
 ) -> RunResult:
     engine = LLMEngine.from_kwargs(
-        loaded=loaded, model=loaded.path, **engine_kwargs,
-        **point.engine_kwargs(loaded.max_model_len),
+        loaded=loaded, model=loaded.path,
+        **{**engine_kwargs, **point.engine_kwargs(loaded.max_model_len)},
     )
     engine.trace.keep_all()
     results, duration = replay(engine, requests, arrivals, on_step=on_step)

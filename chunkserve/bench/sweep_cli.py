@@ -29,6 +29,8 @@ from chunkserve.config import (
     LOAD_FORMATS,
     NO_CHUNK_SCHEDULERS,
 )
+from chunkserve.engine.arg_utils import add_chunk_policy_args
+from chunkserve.engine.trace import write_trace
 
 
 def add_workload_args(p: argparse.ArgumentParser) -> None:
@@ -56,12 +58,16 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--baseline", choices=NO_CHUNK_SCHEDULERS, default="prefill-first",
                    help="scheduler for the 'none' (no chunking) configuration")
     p.add_argument("--scheduler", choices=CHUNKED_SCHEDULERS, default="decode-first")
+    add_chunk_policy_args(p)  # adaptive: --chunk-sizes are the caps; 'none' stays static
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--percentiles", default="50,90,99", help="metric percentiles to report")
     p.add_argument("--goodput", nargs="*", default=None, help="SLOs like ttft:2000 tpot:100 e2el:20000")
     p.add_argument("--out", required=True, help="output folder for results.json, table.md, plots")
+    p.add_argument("--trace-dir", default=None,
+                   help="also write each configuration's step trace there "
+                        "(steps-CHUNK.jsonl, the --trace-file format)")
 
 
 def add_sweep_args(p: argparse.ArgumentParser) -> None:
@@ -74,6 +80,9 @@ def add_sweep_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--kv-cache-memory", type=float, default=None, help="GiB (default 2)")
+    p.add_argument("--cost-model", default=None,
+                   help="--chunk-policy adaptive: a `chunkserve profile` file or a hardware "
+                        "preset; default: the cached profile of this machine")
     add_workload_args(p)
 
 
@@ -85,6 +94,18 @@ def check_workload_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--load must be a positive fraction of capacity, got {args.load}")
     if args.num_prompts < 1:
         raise ValueError(f"--num-prompts must be at least 1, got {args.num_prompts}")
+    if (args.chunk_policy == "adaptive") != (args.target_itl_ms is not None):
+        raise ValueError("--chunk-policy adaptive and --target-itl-ms go together")
+    if args.target_itl_ms is not None and not args.target_itl_ms > 0:
+        raise ValueError(f"--target-itl-ms must be positive, got {args.target_itl_ms}")
+
+
+def chunk_policy_extra(args: argparse.Namespace) -> dict[str, Any]:
+    """results.json keys for an adaptive run (none for a static one: its keys stay as they were)."""
+    if args.chunk_policy == "static":
+        return {}
+    return {"chunk_policy": args.chunk_policy, "target_itl_ms": args.target_itl_ms,
+            "min_chunk_tokens": args.min_chunk_tokens}
 
 
 def parse_goodput(items: list[str] | None) -> dict[str, float] | None:
@@ -133,18 +154,23 @@ def run_sweep(args: argparse.Namespace) -> int:
     engine_kwargs: dict[str, Any] = dict(
         block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
         max_num_seqs=args.max_num_seqs, kv_cache_memory=args.kv_cache_memory,
-        enforce_eager=args.enforce_eager,
+        enforce_eager=args.enforce_eager, chunk_policy=args.chunk_policy,
+        target_itl_ms=args.target_itl_ms, min_chunk_tokens=args.min_chunk_tokens,
+        cost_model=args.cost_model,
     )
     rate = args.request_rate
     if args.load is not None:
         probe = SweepPoint(512, args.scheduler)
-        capacity = measure_capacity(loaded, requests, engine_kwargs, probe)
+        # Static, so that static and adaptive sweeps of one workload get the same arrivals.
+        static = {**engine_kwargs, "chunk_policy": "static", "target_itl_ms": None}
+        capacity = measure_capacity(loaded, requests, static, probe)
         rate = args.load * capacity
         print(f"measured capacity {capacity:.3f} req/s; --load {args.load} -> {rate:.3f} req/s")
     rate = float("inf") if rate is None else rate
     arrivals = arrival_times(len(requests), rate, args.burstiness, args.seed)
     extra = {"request_rate": rate if rate != float("inf") else "inf",
-             "num_prompts": len(requests), "dataset_name": args.dataset_name}
+             "num_prompts": len(requests), "dataset_name": args.dataset_name,
+             **chunk_policy_extra(args)}
     command = "chunkserve bench sweep " + " ".join(shlex.quote(a) for a in sys.argv[3:])
     title = f"Chunk-size sweep: {args.model}, {args.dataset_name}, {len(requests)} requests"
     return sweep_and_report(
@@ -185,6 +211,10 @@ def sweep_and_report(
             flush=True,
         )
         write_results(args.out, entries)  # after every point: a long sweep keeps what it did
+        if getattr(args, "trace_dir", None):
+            os.makedirs(args.trace_dir, exist_ok=True)
+            write_trace(os.path.join(args.trace_dir, f"steps-{point.chunk_size}.jsonl"),
+                        run.records)
     write_table(args.out, entries, title, command)
     plot_all(args.out, entries, runs)
     print(table_markdown(entries, title, command))

@@ -12,6 +12,9 @@ the simulator drive the very same code. Policies (`SchedulerConfig.scheduler`):
   admitted, else a step of decodes only. Decodes wait for every prefill: head-of-line blocking.
 - ``orca`` (no chunking): decodes plus whole prompts that fit the remaining budget, mixed.
 
+With ``chunk_policy="adaptive"`` each step's budget is the decodes plus a prefill chunk sized
+from a step-time model (core/chunk_budget.py); ``max_num_batched_tokens`` is then the cap.
+
 When a block cannot be allocated the most recently admitted running request is preempted,
 by recompute (KV dropped, it re-prefills prompt + output) or swap (KV copied to host).
 """
@@ -20,6 +23,7 @@ from __future__ import annotations
 from collections import deque
 
 from chunkserve.config import CacheConfig, SchedulerConfig
+from chunkserve.core.chunk_budget import StepTimeFn, adaptive_prefill_tokens, check_target
 from chunkserve.core.kv_cache import KVCacheManager, SwapSpace
 from chunkserve.core.request import Request, RequestStatus
 from chunkserve.core.sched_output import ScheduledRequest, SchedulerOutput
@@ -32,8 +36,16 @@ class Scheduler:
         cache_config: CacheConfig,
         num_kv_blocks: int,
         num_swap_blocks: int = 0,
+        step_time: StepTimeFn | None = None,
     ) -> None:
+        """`step_time` predicts a planned step's duration; the adaptive chunk policy needs it."""
         config.finalize()
+        if config.chunk_policy == "adaptive":
+            if step_time is None:
+                raise ValueError("chunk_policy 'adaptive' needs a step-time model")
+            assert config.target_itl_ms is not None  # finalize() checked
+            check_target(step_time, config.target_itl_ms / 1e3)
+        self.step_time = step_time
         self.config = config
         self.cache_config = cache_config
         self.kv = KVCacheManager(num_kv_blocks, cache_config.block_size)
@@ -45,6 +57,7 @@ class Scheduler:
         self._finished_ids: list[str] = []
         # Per-step scratch, reset by schedule().
         self._budget = 0
+        self._step_budget = 0
         self._scheduled: dict[str, ScheduledRequest] = {}
         self._stalled = False  # a running prefill found no memory: admit nobody past it
         self._out = SchedulerOutput(scheduled=[])
@@ -81,7 +94,7 @@ class Scheduler:
 
     # ---- the step -----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        self._budget = self.config.max_num_batched_tokens
+        self._budget = self._step_budget = self._token_budget()
         self._scheduled = {}
         self._stalled = False
         self._out = SchedulerOutput(scheduled=[], finished_req_ids=self._finished_ids)
@@ -110,6 +123,7 @@ class Scheduler:
         out.kv_stats = self.kv.stats()
         out.num_running = len(self.running)
         out.num_waiting = len(self.waiting)
+        out.token_budget = self._step_budget
         return out
 
     def _schedule_decodes(self) -> None:
@@ -163,6 +177,28 @@ class Scheduler:
             self._commit(req, n)
 
     # ---- helpers --------------------------------------------------------------------------------
+    def _token_budget(self) -> int:
+        """This step's budget: the static cap, or the decodes plus the adaptive chunk."""
+        cap = self.config.max_num_batched_tokens
+        assert cap is not None  # finalize() filled it
+        if self.config.chunk_policy != "adaptive" or self.step_time is None:
+            return cap
+        decodes = [r for r in self.running if r.status is RequestStatus.RUNNING and r.is_decoding]
+        decodes = decodes[:cap]  # more than the cap cannot run this step anyway
+        prefill = next((r for r in self.running
+                        if r.status is RequestStatus.RUNNING and not r.is_decoding), None)
+        if prefill is None and self.waiting:
+            prefill = self._peek_waiting()
+        if prefill is None:
+            return cap  # decodes only: nothing for the policy to size
+        assert self.config.target_itl_ms is not None
+        chunk = adaptive_prefill_tokens(
+            self.step_time, self.config.target_itl_ms / 1e3, len(decodes),
+            sum(r.num_computed_tokens + 1 for r in decodes), prefill.num_computed_tokens,
+            self.config.min_chunk_tokens, cap - len(decodes),
+        )
+        return len(decodes) + chunk
+
     def _chunk(self, req: Request) -> int:
         n = req.num_uncomputed_tokens
         threshold = self.config.long_prefill_token_threshold

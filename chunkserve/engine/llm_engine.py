@@ -6,7 +6,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from chunkserve.config import DEFAULT_KV_CACHE_GIB, EngineConfig
+from chunkserve.config import DEFAULT_KV_CACHE_GIB, EngineConfig, SchedulerConfig
+from chunkserve.core.chunk_budget import StepTimeFn
 from chunkserve.core.request import Request, RequestStatus
 from chunkserve.core.sched_output import ScheduledRequest
 from chunkserve.core.scheduler import Scheduler
@@ -18,6 +19,15 @@ from chunkserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from chunkserve.sampling_params import SamplingParams
 
 GiB = 1 << 30
+
+
+def _step_time(sc: SchedulerConfig, model: str) -> StepTimeFn | None:
+    """The adaptive chunk policy's step-time model; the static policy needs none."""
+    if sc.chunk_policy != "adaptive":
+        return None
+    from chunkserve.engine.step_cost import engine_step_time  # the simulator's cost models
+
+    return engine_step_time(sc.cost_model, model)
 
 
 @dataclass
@@ -71,7 +81,7 @@ class LLMEngine:
             )
         num_swap = int(cc.swap_space * GiB // block_bytes) if cc.preemption_mode == "swap" else 0
         self.num_kv_blocks = num_blocks
-        self.scheduler = Scheduler(sc, cc, num_blocks, num_swap)
+        self.scheduler = Scheduler(sc, cc, num_blocks, num_swap, step_time=_step_time(sc, mc.model))
         self.eos_token_ids = loaded.config.eos_token_ids or (
             [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
         )

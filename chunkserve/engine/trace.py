@@ -5,9 +5,10 @@ and the benchmarks read them. Add fields at the end; never rename or drop one.
 """
 from __future__ import annotations
 
+import gzip
 import json
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, fields
 from typing import IO
 
 from chunkserve.core.sched_output import SchedulerOutput
@@ -29,6 +30,12 @@ class StepRecord:
     internal_fragmentation: int  # allocated slots minus stored tokens
     num_preemptions: int  # in this step
     num_swapped_blocks: int  # blocks copied out + in this step
+    # Added by issue 14 (defaults let older traces load):
+    token_budget: int | None = None  # the step's token budget: max_num_batched_tokens, or the
+    # adaptive chunk policy's choice for this step
+    # [request_id, tokens, cached before] per prefill in the step: names the request behind a
+    # long step (decodes are left out: one token each, and there can be hundreds)
+    prefill_requests: list[list] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -54,6 +61,11 @@ def step_record(step: int, start: float, duration: float, out: SchedulerOutput) 
         internal_fragmentation=stats.internal_fragmentation,
         num_preemptions=len(out.preempted_req_ids),
         num_swapped_blocks=len(out.blocks_to_swap_out) + len(out.blocks_to_swap_in),
+        token_budget=out.token_budget,
+        prefill_requests=[
+            [s.request.request_id, s.num_new_tokens, s.start] for s in out.scheduled
+            if not s.is_decode
+        ],
     )
 
 
@@ -84,6 +96,27 @@ class StepTrace:
             self._file = None
 
 
+def write_trace(path: str, records: list[StepRecord]) -> None:
+    with (gzip.open(path, "wt") if path.endswith(".gz") else open(path, "w")) as f:
+        for record in records:
+            f.write(json.dumps(asdict(record)) + "\n")
+
+
+_FIELDS = {f.name for f in fields(StepRecord)}
+
+
 def read_trace(path: str) -> list[StepRecord]:
-    with open(path) as f:
-        return [StepRecord(**json.loads(line)) for line in f if line.strip()]
+    """Every record of a JSONL trace; a ValueError naming the line for anything else."""
+    records = []
+    with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                data = json.loads(line)
+                # Fields added by a newer version are dropped rather than refused (docs/trace.md:
+                # fields are only ever added), so an old reader still reads a new trace.
+                records.append(StepRecord(**{k: v for k, v in data.items() if k in _FIELDS}))
+            except (json.JSONDecodeError, TypeError, AttributeError, UnicodeDecodeError) as e:
+                raise ValueError(f"{path}:{lineno}: not a step record ({e})") from None
+    return records

@@ -5,12 +5,14 @@ import argparse
 import os
 import shlex
 import sys
+from dataclasses import replace
 from typing import Any
 
 from chunkserve.bench.sweep import parse_chunk_sizes, sweep_points
 from chunkserve.bench.sweep_cli import (
     add_workload_args,
     check_fits,
+    chunk_policy_extra,
     check_workload_args,
     sweep_and_report,
 )
@@ -86,7 +88,8 @@ def run_sim(args: argparse.Namespace) -> int:
     requests = length_requests(input_lens, output_lens)
     check_fits(requests, max_len)
     config = SimConfig(max_model_len=max_len, num_kv_blocks=blocks, block_size=args.block_size,
-                       max_num_seqs=args.max_num_seqs)
+                       max_num_seqs=args.max_num_seqs, chunk_policy=args.chunk_policy,
+                       target_itl_ms=args.target_itl_ms, min_chunk_tokens=args.min_chunk_tokens)
     points = sweep_points(parse_chunk_sizes(args.chunk_sizes), args.scheduler, args.baseline)
     rate = args.request_rate
     if args.load is not None:
@@ -96,7 +99,8 @@ def run_sim(args: argparse.Namespace) -> int:
     arrivals = arrival_times(len(requests), rate, args.burstiness, args.seed)
     extra = {"request_rate": rate if rate != float("inf") else "inf",
              "num_prompts": len(requests), "dataset_name": args.dataset_name,
-             "simulated": True, "hardware": args.hardware, "model": args.model}
+             "simulated": True, "hardware": args.hardware, "model": args.model,
+             **chunk_policy_extra(args)}
     command = "chunkserve sim " + " ".join(shlex.quote(a) for a in sys.argv[2:])
     title = (f"Simulated chunk-size sweep: {args.model} on {args.hardware}, {args.dataset_name}, "
              f"{len(requests)} requests")
@@ -112,7 +116,9 @@ def simulated_capacity(points: list[Any], config: SimConfig, cost: CostModel,
     from chunkserve.bench.sweep import SweepPoint
 
     point = next((p for p in points if p.chunk_size != "none"), SweepPoint(2048, "decode-first"))
-    run = simulate(SweepPoint(2048, point.scheduler), config, cost, requests, [0.0] * len(requests))
+    # Static, so that static and adaptive sweeps of one workload get the same arrivals.
+    static = replace(config, chunk_policy="static", target_itl_ms=None)
+    run = simulate(SweepPoint(2048, point.scheduler), static, cost, requests, [0.0] * len(requests))
     return len(requests) / run.duration
 
 

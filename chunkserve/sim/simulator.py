@@ -12,14 +12,14 @@ from dataclasses import dataclass
 
 from chunkserve.bench.sweep import RunResult, SweepPoint, result_from_output
 from chunkserve.bench.workloads import BenchRequest
-from chunkserve.config import CacheConfig, SchedulerConfig
+from chunkserve.config import DEFAULT_MIN_CHUNK_TOKENS, CacheConfig, SchedulerConfig
 from chunkserve.core.request import Request
 from chunkserve.core.sched_output import SchedulerOutput
 from chunkserve.core.scheduler import Scheduler
 from chunkserve.engine.trace import StepTrace, step_record
 from chunkserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from chunkserve.sampling_params import SamplingParams
-from chunkserve.sim.cost_model import CostModel, StepShape, step_time
+from chunkserve.sim.cost_model import CostModel, StepShape, planned_step_time, step_time
 
 DUMMY_TOKEN = 0  # simulated requests ignore EOS, so the sampled id never matters
 
@@ -32,18 +32,27 @@ class SimConfig:
     max_num_seqs: int = 256
     preemption_mode: str = "recompute"
     num_swap_blocks: int = 0
+    chunk_policy: str = "static"  # adaptive: chunk sized from the cost model (chunk size = cap)
+    target_itl_ms: float | None = None
+    min_chunk_tokens: int = DEFAULT_MIN_CHUNK_TOKENS
 
 
 class SimEngine:
     def __init__(self, point: SweepPoint, config: SimConfig, cost_model: CostModel) -> None:
         budget = config.max_model_len if point.chunk_size == "none" else int(point.chunk_size)
+        # The no-chunk baseline has no chunk to size: it stays static in an adaptive sweep.
+        adaptive = config.chunk_policy == "adaptive" and point.chunk_size != "none"
         sched = SchedulerConfig(
             max_num_batched_tokens=budget, max_num_seqs=config.max_num_seqs,
             max_model_len=config.max_model_len, scheduler=point.scheduler,
+            chunk_policy="adaptive" if adaptive else "static",
+            target_itl_ms=config.target_itl_ms if adaptive else None,
+            min_chunk_tokens=config.min_chunk_tokens,
         )
         cache = CacheConfig(block_size=config.block_size, num_kv_blocks=config.num_kv_blocks,
                             preemption_mode=config.preemption_mode)
-        self.scheduler = Scheduler(sched, cache, config.num_kv_blocks, config.num_swap_blocks)
+        self.scheduler = Scheduler(sched, cache, config.num_kv_blocks, config.num_swap_blocks,
+                                   step_time=planned_step_time(cost_model) if adaptive else None)
         self.cost_model = cost_model
         self.clock = 0.0
         self.trace = StepTrace(None, max_records=None)
