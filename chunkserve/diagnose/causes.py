@@ -70,6 +70,9 @@ def attribute(gap: Gap, records: Sequence[StepRecord], fit: StepFit,
     for i in range(gap.first, gap.last + 1):
         for k, v in _step_parts(records[i], i, fit, redo).items():
             parts[k] += v
+    total = sum(parts.values())
+    if total > gap.seconds > 0:  # the fit overshoots this gap: keep the proportions, not the sum
+        parts = {k: v * gap.seconds / total for k, v in parts.items()}
     parts["unexplained"] = max(gap.seconds - sum(parts.values()), 0.0)
     cause = max(CAUSES, key=lambda k: parts[k])
     return Attributed(gap, parts, cause, culprit(cause, gap, records, redo))
