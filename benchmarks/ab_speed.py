@@ -92,8 +92,9 @@ class Side:
         self.ids = [self.engine.add_request(None, [100 + (i * 11 + b) % 40000 for i in range(CONTEXT)],
                                             self.params(1000)) for b in range(batch)]
         while True:  # until the first step with no prefill left: all are decoding
-            self.engine.step()
-            last = self.engine.trace.records[-1]
+            result = self.engine.step()
+            # A StepResult carries its record; older versions kept it in engine.trace.
+            last = getattr(result, "record", None) or self.engine.trace.records[-1]
             if last.num_prefill_tokens == 0 and last.num_decode_tokens == batch:
                 break
 

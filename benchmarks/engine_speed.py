@@ -245,10 +245,9 @@ def run_prefill(engine: LLMEngine, n: int, salt: int) -> float:
     """One request, max_tokens=1: its whole prompt is a single step. Returns that step's time."""
     greedy = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     engine.add_request(None, prompt(n, salt), greedy)
-    first = len(engine.trace.records)
+    steps = []
     while engine.has_unfinished_requests():
-        engine.step()
-    steps = list(engine.trace.records)[first:]
+        steps.append(engine.step().record)
     assert len(steps) == 1 and steps[0].num_prefill_tokens == n, "prefill was not one step"
     return steps[0].duration
 
@@ -275,8 +274,7 @@ def bench_decode(engine: LLMEngine, cost: ModelCost, batches: tuple[int, ...], s
     ids = [engine.add_request(None, prompt(DECODE_CONTEXT, 1000 + b), params)
            for b in range(max_b)]
     while True:  # until every request is past its prefill: the first pure decode step
-        engine.step()
-        last = engine.trace.records[-1]
+        last = engine.step().record
         if last.num_prefill_tokens == 0 and last.num_decode_tokens == max_b:
             break
 
@@ -286,8 +284,8 @@ def bench_decode(engine: LLMEngine, cost: ModelCost, batches: tuple[int, ...], s
         ids = ids[:b]
         durations, context_sums = [], []
         for i in range(steps + 1):  # the first step after an abort is a warmup
-            outputs = engine.step()
-            rec = engine.trace.records[-1]
+            step = engine.step()
+            outputs, rec = step.outputs, step.record
             assert rec.num_prefill_tokens == 0 and rec.num_decode_tokens == b, rec
             assert rec.num_preemptions == 0 and all(not o.finished for o in outputs), rec
             if i == 0:

@@ -147,7 +147,7 @@ def speed(prof: dict[str, Any]) -> dict[str, Any]:
         report[f"decode_{mode}"] = [
             {"batch": r.size, "context": r.context, "ms": r.seconds * 1e3,
              "read_bw_fraction": r.gbs / roof["read_gbs"]} for r in decode]
-        graphs = engine.runner.graphs
+        graphs = engine.executor.graphs
         report[f"graph_replays_{mode}"] = 0 if graphs is None else graphs.num_replays
         engine.close()
         del engine

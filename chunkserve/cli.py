@@ -12,7 +12,7 @@ def _generate(args: argparse.Namespace) -> int:
     from chunkserve.llm import LLM
     from chunkserve.sampling_params import SamplingParams
 
-    llm = LLM(**engine_kwargs(args))
+    llm = LLM(**engine_kwargs(_with_step_time(args)))
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
         top_k=args.top_k, min_p=args.min_p, seed=args.sampling_seed, stop=args.stop or None,
@@ -57,20 +57,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (vLLM's flags)")
     add_server_args(srv)
-    srv.set_defaults(func=run_server)
+    srv.set_defaults(func=lambda args: run_server(_with_step_time(args)))
 
     from chunkserve.bench.cli import add_bench_parsers
 
     add_bench_parsers(sub)  # `bench serve`, ...: each registers in chunkserve/bench/cli.py
 
-    from chunkserve.sim.cli import add_profile_args, add_sim_args, run_profile, run_sim
+    from chunkserve.sim.cli import add_sim_args
 
     sim = sub.add_parser("sim", help="simulate the sweep for hardware you do not have")
     add_sim_args(sim)
-    sim.set_defaults(func=run_sim)
+    sim.set_defaults(func=_sim)
     prof = sub.add_parser("profile", help="calibrate the simulator's cost model on this machine")
+    from chunkserve.bench.calibration import add_profile_args
+
     add_profile_args(prof)
-    prof.set_defaults(func=run_profile)
+    prof.set_defaults(func=_profile)
 
     from chunkserve.diagnose.cli import add_diagnose_args, run_diagnose
 
@@ -78,6 +80,35 @@ def build_parser() -> argparse.ArgumentParser:
     add_diagnose_args(diag)
     diag.set_defaults(func=run_diagnose)
     return parser
+
+
+def _with_step_time(args: argparse.Namespace) -> argparse.Namespace:
+    """Adds the adaptive policy's step-time model (built from --cost-model) to the engine
+    flags. Built here because neither the engine nor the server may import the simulator's
+    cost models; the command line is above both."""
+    from chunkserve.sim.step_cost import step_time_kwargs
+
+    model = getattr(args, "model_tag", None) or args.model  # `serve MODEL` names it first
+    for key, value in step_time_kwargs(args.chunk_policy, args.cost_model, model).items():
+        setattr(args, key, value)
+    return args
+
+
+def _sim(args: argparse.Namespace) -> int:
+    from chunkserve.sim.cli import run_sim
+
+    # --validate's real runs need the model: the benchmarks measure them, the simulator scores.
+    if args.validate and not args.real_runs:
+        from chunkserve.bench.validation_runs import measure_real_runs
+
+        return run_sim(args, measure_real_runs)
+    return run_sim(args)
+
+
+def _profile(args: argparse.Namespace) -> int:
+    from chunkserve.bench.calibration import run_profile
+
+    return run_profile(args)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,7 +5,8 @@ without pointing an arrow upwards.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 CHUNKED_SCHEDULERS = ("decode-first", "vllm-v1")
@@ -30,7 +31,7 @@ QUANTIZATIONS = ("auto", "int8", "none")
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelConfig:
     model: str = "smollm2-135m"
     dtype: str = "auto"  # auto: bfloat16 linears where the CPU has AVX512_BF16, else float32
@@ -62,13 +63,15 @@ class ModelConfig:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}.")
 
 
-@dataclass
+@dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16
     kv_cache_memory: float | None = None  # GiB; None: DEFAULT_KV_CACHE_GIB
     num_kv_blocks: int | None = None  # overrides kv_cache_memory when set
     swap_space: float = 4.0  # GiB of host memory for swapped-out blocks
     preemption_mode: str = "recompute"
+    # vLLM V1's automatic prefix caching, on by default as there.
+    enable_prefix_caching: bool = True
 
     def verify(self) -> None:
         if self.block_size < 1:
@@ -88,11 +91,11 @@ class CacheConfig:
 DEFAULT_KV_CACHE_GIB = 2.0
 
 
-@dataclass
+@dataclass(frozen=True)
 class SchedulerConfig:
     max_num_batched_tokens: int | None = None  # None: 2048 chunked, max_model_len otherwise
     max_num_seqs: int = 256
-    max_model_len: int = 8192  # filled in from the model by the engine
+    max_model_len: int = 8192  # the model's, filled in by EngineConfig.resolve
     enable_chunked_prefill: bool | None = None  # None: follows `scheduler`
     scheduler: str | None = None  # None: decode-first if chunking, prefill-first if not
     long_prefill_token_threshold: int = 0  # 0: off
@@ -100,40 +103,61 @@ class SchedulerConfig:
     chunk_policy: str = "static"
     target_itl_ms: float | None = None  # adaptive: the predicted step time to stay under
     min_chunk_tokens: int = DEFAULT_MIN_CHUNK_TOKENS  # adaptive: the chunk never goes below
-    # adaptive: where the step-time model comes from: a `chunkserve profile` file or a hardware
-    # preset (a100-80gb, ...); None: the cached profile of this machine (engine/step_cost.py)
-    cost_model: str | None = None
+    # adaptive: predicted seconds of a planned step (core.chunk_budget.StepTimeFn). A callable
+    # rather than a name so that the scheduler stays pure: whoever builds the engine makes it
+    # from a cost model (sim.step_cost: a `chunkserve profile` file or a hardware preset).
+    step_time: Callable[[Any], float] | None = field(default=None, compare=False, repr=False)
 
     @property
     def chunked(self) -> bool:
         return self.scheduler in CHUNKED_SCHEDULERS
 
-    def finalize(self) -> None:
-        """Resolves the defaults that depend on each other, then validates."""
-        if self.scheduler is None:
-            self.scheduler = "prefill-first" if self.enable_chunked_prefill is False else "decode-first"
-        if self.scheduler not in SCHEDULERS:
-            raise ValueError(f"scheduler must be one of {SCHEDULERS}, got {self.scheduler!r}.")
-        if self.enable_chunked_prefill is None:
-            self.enable_chunked_prefill = self.chunked
+    @property
+    def is_resolved(self) -> bool:
+        """Every default that depends on another is filled in (what the scheduler asserts)."""
+        return (self.scheduler in SCHEDULERS and self.enable_chunked_prefill is not None
+                and self.max_num_batched_tokens is not None)
+
+    def resolve(self, max_model_len: int | None = None) -> SchedulerConfig:
+        """A copy with the defaults that depend on each other filled in, then verified.
+
+        The one place where "no chunking → budget = max_model_len" is decided: a no-chunk
+        policy must fit a whole max-length prompt in one step.
+        """
+        max_len = self.max_model_len if max_model_len is None else max_model_len
+        scheduler = self.scheduler
+        if scheduler is None:
+            scheduler = "prefill-first" if self.enable_chunked_prefill is False else "decode-first"
+        if scheduler not in SCHEDULERS:
+            raise ValueError(f"scheduler must be one of {SCHEDULERS}, got {scheduler!r}.")
+        chunked = scheduler in CHUNKED_SCHEDULERS
+        budget = self.max_num_batched_tokens
+        if budget is None:
+            budget = DEFAULT_MAX_NUM_BATCHED_TOKENS if chunked else max_len
+        resolved = replace(
+            self, scheduler=scheduler, max_model_len=max_len, max_num_batched_tokens=budget,
+            enable_chunked_prefill=(chunked if self.enable_chunked_prefill is None
+                                    else self.enable_chunked_prefill),
+        )
+        resolved.verify()
+        return resolved
+
+    def verify(self) -> None:
+        assert self.is_resolved, "verify() checks a resolved config"
         if self.enable_chunked_prefill != self.chunked:
             raise ValueError(
                 f"scheduler {self.scheduler!r} "
                 f"{'always chunks' if self.chunked else 'never chunks'}; it cannot run with "
                 f"enable_chunked_prefill={self.enable_chunked_prefill}."
             )
-        if self.max_num_batched_tokens is None:
-            self.max_num_batched_tokens = (
-                DEFAULT_MAX_NUM_BATCHED_TOKENS if self.chunked else self.max_model_len
-            )
-        if self.max_num_batched_tokens < 1:
+        budget, max_len = self.max_num_batched_tokens, self.max_model_len
+        assert budget is not None
+        if budget < 1:
+            raise ValueError(f"max_num_batched_tokens must be positive, got {budget}.")
+        if not self.chunked and budget < max_len:
             raise ValueError(
-                f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}."
-            )
-        if not self.chunked and self.max_num_batched_tokens < self.max_model_len:
-            raise ValueError(
-                f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than "
-                f"max_model_len ({self.max_model_len}). Without chunked prefill a prompt must fit "
+                f"max_num_batched_tokens ({budget}) is smaller than "
+                f"max_model_len ({max_len}). Without chunked prefill a prompt must fit "
                 "in one step, so this would refuse long prompts. Please increase "
                 "max_num_batched_tokens, decrease max_model_len, or enable chunked prefill."
             )
@@ -166,9 +190,12 @@ class SchedulerConfig:
         if self.target_itl_ms is None or not self.target_itl_ms > 0:
             raise ValueError("chunk_policy 'adaptive' needs a positive target_itl_ms "
                              f"(--target-itl-ms), got {self.target_itl_ms}.")
+        if self.step_time is None:
+            raise ValueError("chunk_policy 'adaptive' needs a step-time model (step_time; on the "
+                             "command line --cost-model, a profile file or a hardware preset).")
 
 
-@dataclass
+@dataclass(frozen=True)
 class EngineConfig:
     model_config: ModelConfig = field(default_factory=ModelConfig)
     cache_config: CacheConfig = field(default_factory=CacheConfig)
@@ -182,7 +209,7 @@ class EngineConfig:
         owners = {
             "model": {f.name for f in fields(ModelConfig)},
             "cache": {f.name for f in fields(CacheConfig)},
-            # max_model_len belongs to the model config; the engine copies it across.
+            # max_model_len belongs to the model config; resolve() copies it across.
             "scheduler": {f.name for f in fields(SchedulerConfig)} - {"max_model_len"},
         }
         trace_file = kwargs.pop("trace_file", None)
@@ -200,3 +227,26 @@ class EngineConfig:
         config.model_config.verify()
         config.cache_config.verify()
         return config
+
+    def resolve(
+        self, model_max_len: int, device: str | None = None, dtype: str | None = None
+    ) -> EngineConfig:
+        """The frozen, verified config an engine runs with: `max_model_len` from the model when
+        not set (never above it), the scheduler's dependent defaults, and the device and dtype
+        the model was actually loaded with (what "auto" became)."""
+        mc = self.model_config
+        if mc.max_model_len is not None and mc.max_model_len > model_max_len:
+            raise ValueError(
+                f"max_model_len ({mc.max_model_len}) exceeds the model's ({model_max_len})"
+            )
+        max_len = mc.max_model_len or model_max_len
+        model = replace(mc, max_model_len=max_len, device=device or mc.device,
+                        dtype=dtype or mc.dtype)
+        return replace(self, model_config=model,
+                       scheduler_config=self.scheduler_config.resolve(max_len))
+
+    @property
+    def max_model_len(self) -> int:
+        max_len = self.model_config.max_model_len
+        assert max_len is not None, "resolve() the config first"
+        return max_len

@@ -50,7 +50,7 @@ class LLM:
         results: dict[str, RequestOutput] = {}
         progress = _progress(len(ids)) if use_tqdm else None
         while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
+            for out in self.engine.step().outputs:
                 if out.finished:
                     results[out.request_id] = out
                     if progress is not None:

@@ -77,3 +77,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    # Prompt tokens served from the prefix cache when the request was first scheduled (vLLM's
+    # field; usage.prompt_tokens_details.cached_tokens in the OpenAI responses).
+    num_cached_tokens: int = 0

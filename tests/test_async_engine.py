@@ -6,6 +6,7 @@ import asyncio
 import pytest
 
 from chunkserve.engine.llm_engine import LLMEngine
+from chunkserve.engine.processor import EngineRequest
 from chunkserve.sampling_params import SamplingParams
 from chunkserve.serve.async_engine import AsyncEngine, RequestFailedError
 
@@ -14,19 +15,19 @@ POISON = 4242  # a prompt token that makes the (patched) runner raise
 
 def test_a_failing_step_fails_its_requests_not_the_engine(tiny_model_dir):
     engine = LLMEngine.from_kwargs(model=tiny_model_dir, dtype="float32", max_model_len=256)
-    real_execute = engine.runner.execute
+    real_execute = engine.executor.execute
 
     def execute(out):  # type: ignore[no-untyped-def]
         if any(POISON in s.token_ids for s in out.scheduled):
             raise RuntimeError("kernel exploded")
         return real_execute(out)
 
-    engine.runner.execute = execute  # type: ignore[method-assign]
+    engine.executor.execute = execute  # type: ignore[method-assign]
     params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
 
     async def collect(ae: AsyncEngine, rid: str, prompt: list[int]) -> list[int]:
         tokens: list[int] = []
-        async for out in ae.generate(rid, prompt, params):
+        async for out in ae.generate(engine.processor.process_inputs(rid, prompt, params)):
             tokens = out.outputs[0].token_ids
         return tokens
 
@@ -56,13 +57,16 @@ def test_admission_tickets_and_fail_all(tiny_model_dir):
     engine = LLMEngine.from_kwargs(model=tiny_model_dir, dtype="float32", max_model_len=256)
     long = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
 
+    def process(rid: str, prompt: list[int]) -> EngineRequest:
+        return engine.processor.process_inputs(rid, prompt, long)
+
     async def main() -> None:
         ae = AsyncEngine(engine)
         ae.start()
         try:
             ticket = ae.reserve(3)
             assert ae.num_queued == 3
-            stream = ae.generate("a", [10, 11, 12], long, ticket=ticket)
+            stream = ae.generate(process("a", [10, 11, 12]), ticket=ticket)
             first = await asyncio.wait_for(stream.__anext__(), 60)  # one place used
             assert len(first.outputs[0].token_ids) >= 1
             ticket.release()  # the two never sent
@@ -72,7 +76,7 @@ def test_admission_tickets_and_fail_all(tiny_model_dir):
                 async for _ in stream:
                     pass
             with pytest.raises(ShuttingDownError):
-                await ae.generate("b", [10], long).__anext__()
+                await ae.generate(process("b", [10])).__anext__()
             for _ in range(100):  # the engine thread publishes after applying the command
                 if ae.num_queued == 0:
                     break

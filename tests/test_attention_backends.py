@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from chunkserve import LLM, SamplingParams
+from chunkserve.engine.trace import read_trace
 from chunkserve.cli import main
 from chunkserve.engine.cuda_graph import CUDAGraphRunner, capture_sizes
 from chunkserve.model.attention_select import make_attention_backend
@@ -57,21 +58,24 @@ def test_enforce_eager_on_cpu_is_accepted(tiny_model_dir):
     llm = LLM(model=tiny_model_dir, enforce_eager=True, dtype="float32", max_model_len=128)
     out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 3
-    assert llm.engine.runner.graphs is None
+    assert llm.engine.executor.graphs is None  # type: ignore[attr-defined]
 
 
-def test_engine_on_triton_matches_torch_on_smollm2(smollm2_path):
+def test_engine_on_triton_matches_torch_on_smollm2(smollm2_path, tmp_path):
     """Chunked prefill (budget 16, so prompts split and mix with decodes), greedy tokens equal."""
     prompts = ["The capital of France is", "def fibonacci(n):\n    "
                "# return the n-th Fibonacci number, computed iteratively"]
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     tokens = {}
     for backend in ("torch", "triton"):
+        trace = str(tmp_path / f"{backend}.jsonl")
         llm = LLM(model=smollm2_path, attention_backend=backend, dtype="float32",
-                  max_num_batched_tokens=16, num_kv_blocks=32, max_model_len=256)
+                  max_num_batched_tokens=16, num_kv_blocks=32, max_model_len=256,
+                  trace_file=trace)
         outs = llm.generate(prompts, params)
         tokens[backend] = [o.outputs[0].token_ids for o in outs]
-        steps = llm.engine.trace.records
+        llm.engine.close()
+        steps = read_trace(trace)
         assert any(r.num_prefill_tokens and r.num_decode_tokens for r in steps), "no mixed step"
     assert tokens["triton"] == tokens["torch"]
 
@@ -107,7 +111,7 @@ def test_graph_runner_replays_padded_decodes_with_the_same_tokens(tiny_model_dir
     expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
 
     graphed = LLM(**kwargs)
-    runner = graphed.engine.runner
+    runner = graphed.engine.executor
     runner.graphs = EagerReplay(runner.model, runner.kv_caches, runner.stager, [1, 2, 4],
                                 max_blocks_per_seq=8, block_size=16)
     runner.graphs.capture()

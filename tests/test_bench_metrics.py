@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from chunkserve.bench.metrics import RequestResult, compute_metrics, print_summary
+from chunkserve.benchlib.metrics import RequestResult, compute_metrics, print_summary
 
 
 def _ok(prompt_len: int, out: int, ttft: float, itl: list[float], latency: float,

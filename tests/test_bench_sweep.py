@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from chunkserve.bench.step_stats import linear_fit, step_metrics
-from chunkserve.bench.sweep import parse_chunk_sizes
+from chunkserve.benchlib.step_stats import linear_fit, step_metrics
+from chunkserve.benchlib.sweep import parse_chunk_sizes
 from chunkserve.engine.trace import StepRecord
 
 
@@ -29,7 +29,7 @@ def test_overhead_share_recovers_the_fixed_cost():
 
 
 def test_chunk_sizes_parse_and_reject():
-    assert parse_chunk_sizes("none, 32,2048") == ["none", 32, 2048]
+    assert parse_chunk_sizes("none, 32,2048") == [None, 32, 2048]
     with pytest.raises(ValueError, match="positive integer"):
         parse_chunk_sizes("none,-5")
 

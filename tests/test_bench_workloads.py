@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from chunkserve.bench.workloads import BenchRequest, arrival_times, sample_requests
+from chunkserve.benchlib.workloads import BenchRequest, arrival_times, sample_requests
 
 
 @pytest.fixture(scope="module")

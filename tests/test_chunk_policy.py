@@ -32,8 +32,9 @@ def make_adaptive(
     config = SchedulerConfig(
         scheduler=policy, max_num_batched_tokens=cap, max_model_len=max_model_len,
         chunk_policy="adaptive", target_itl_ms=target_ms, min_chunk_tokens=floor,
+        step_time=linear_step_time,
     )
-    return Scheduler(config, CacheConfig(), num_blocks, step_time=linear_step_time)
+    return Scheduler(config.resolve(), CacheConfig(), num_blocks)
 
 
 def run(sched: Scheduler, max_steps: int = 50_000) -> list:
@@ -84,7 +85,7 @@ def test_budget_respected_and_recorded() -> None:
 
 def test_static_policy_records_the_cap() -> None:
     config = SchedulerConfig(scheduler="decode-first", max_num_batched_tokens=64)
-    sched = Scheduler(config, CacheConfig(), 256)
+    sched = Scheduler(config.resolve(), CacheConfig(), 256)
     sched.add_request(make_request("a", 100, 2))
     assert fake_step(sched).token_budget == 64
 
@@ -138,10 +139,11 @@ def test_no_step_exceeds_max_num_batched_tokens(
     (dict(target_itl_ms=20), "needs chunk_policy 'adaptive'"),
     (dict(chunk_policy="adaptive", target_itl_ms=20, min_chunk_tokens=0), "min_chunk_tokens"),
     (dict(chunk_policy="adaptive", target_itl_ms=20, scheduler="prefill-first"), "never chunks"),
+    (dict(chunk_policy="adaptive", target_itl_ms=20), "needs a step-time model"),
 ])
 def test_bad_config_is_a_clear_error(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        SchedulerConfig(max_num_batched_tokens=8192, **kwargs).finalize()
+        SchedulerConfig(max_num_batched_tokens=8192, **kwargs).resolve()
 
 
 def test_target_below_one_decode_step_is_refused() -> None:
@@ -164,12 +166,17 @@ def test_cli_reports_bad_target_without_traceback(tmp_path, capsys) -> None:
     assert "go together" in capsys.readouterr().err
 
 
-def test_engine_needs_a_cost_model(tiny_model_dir: str, tmp_path, monkeypatch) -> None:
+def test_engine_needs_a_cost_model(tiny_model_dir: str, tmp_path, monkeypatch, capsys) -> None:
     from chunkserve import LLM
+    from chunkserve.cli import main
 
-    monkeypatch.setenv("CHUNKSERVE_PROFILE", str(tmp_path / "missing.json"))
-    with pytest.raises(ValueError, match="no cached profile"):
+    with pytest.raises(ValueError, match="needs a step-time model"):
         LLM(model=tiny_model_dir, dtype="float32", chunk_policy="adaptive", target_itl_ms=50)
+    # The command line builds one from --cost-model, by default the cached profile.
+    monkeypatch.setenv("CHUNKSERVE_PROFILE", str(tmp_path / "missing.json"))
+    assert main(["generate", "--model", tiny_model_dir, "--prompt", "hi", "--chunk-policy",
+                 "adaptive", "--target-itl-ms", "50"]) == 2
+    assert "no cached profile" in capsys.readouterr().err
 
 
 # ---- token identity on the real engine ------------------------------------------------------
@@ -178,6 +185,7 @@ def test_adaptive_generates_the_same_tokens_as_static(tiny_model_dir: str, tmp_p
     from chunkserve import LLM, SamplingParams
     from chunkserve.engine.trace import read_trace
     from chunkserve.model.factory import load_model
+    from chunkserve.sim.step_cost import engine_step_time
 
     profile = tmp_path / "profile.json"  # 2 ms a step + 0.05 ms a token: chunks of ~56 at 5 ms
     profile.write_text(json.dumps({"kind": "linear", "name": "t", "coefficients": {
@@ -190,7 +198,8 @@ def test_adaptive_generates_the_same_tokens_as_static(tiny_model_dir: str, tmp_p
     trace = tmp_path / "steps.jsonl"
     adaptive = LLM(loaded=loaded, model=loaded.path, dtype="float32", max_num_batched_tokens=512,
                    chunk_policy="adaptive", target_itl_ms=5, min_chunk_tokens=16,
-                   cost_model=str(profile), trace_file=str(trace))
+                   step_time=engine_step_time(str(profile), "smollm2-135m"),
+                   trace_file=str(trace))
     want = [o.outputs[0].token_ids for o in static.generate(prompts, greedy)]
     got = [o.outputs[0].token_ids for o in adaptive.generate(prompts, greedy)]
     adaptive.engine.close()

@@ -106,14 +106,14 @@ def test_graphs_replay_decode_steps_and_match_eager(tiny_dir):
     graph_tokens, _, graphed = _run(tiny_dir, PROMPTS, max_num_batched_tokens=64)
     eager_tokens, _, eager = _run(tiny_dir, PROMPTS, max_num_batched_tokens=64,
                                   enforce_eager=True)
-    assert graphed.engine.runner.graphs is not None and eager.engine.runner.graphs is None
-    assert graphed.engine.runner.graphs.num_replays > 0
+    assert graphed.engine.executor.graphs is not None and eager.engine.executor.graphs is None
+    assert graphed.engine.executor.graphs.num_replays > 0
     assert graph_tokens == eager_tokens
 
 
 def test_triton_is_the_default_backend_on_cuda(tiny_dir):
     _, _, llm = _run(tiny_dir, PROMPTS[:1])
-    assert llm.engine.runner.model.attn.name == "triton"
+    assert llm.engine.executor.model.attn.name == "triton"
 
 
 def test_seeded_sampling_repeats(tiny_dir):
@@ -129,4 +129,4 @@ def test_bf16_preset_runs_with_graphs():
     llm = LLM(model="tiny-llama", device="cuda", max_model_len=512)
     outs = llm.generate(PROMPTS[:3], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     assert all(len(o.outputs[0].token_ids) == 8 for o in outs)
-    assert llm.engine.runner.graphs.num_replays > 0
+    assert llm.engine.executor.graphs.num_replays > 0

@@ -169,17 +169,29 @@ def test_swap_free_releases_host_blocks() -> None:
 
 # ---- property test: block accounting under random scheduler workloads ----------------------
 def check_invariants(sched: Scheduler) -> None:
-    """Every device/host block is owned by at most one request, or free; never both, never lost."""
+    """Every device block is referenced exactly as often as tables hold it, or free (empty or
+    evictable), never both, never lost; every host block is owned by one request or free."""
     kv = sched.kv
+    pool = kv.pool
     owned = [b for table in kv.block_tables.values() for b in table]
-    assert len(owned) <= kv.num_blocks, "more blocks in use than exist"
-    assert len(owned) == len(set(owned)), "a block is owned by two requests (or twice)"
+    distinct = set(owned)
     assert all(0 <= b < kv.num_blocks for b in owned)
-    assert not set(owned) & kv.pool._free, "a block is both owned and free"
-    assert len(owned) + kv.pool.num_free == kv.num_blocks, "blocks leaked"
+    for table in kv.block_tables.values():
+        assert len(table) == len(set(table)), "a table holds a block twice"
+    for b in range(kv.num_blocks):
+        assert pool.ref_cnt[b] == owned.count(b), f"block {b}: ref count != holders"
+    evictable = {b for b in range(kv.num_blocks) if pool.cache.is_evictable(b)}
+    assert not distinct & pool._free, "a referenced block is free"
+    assert not distinct & evictable, "a referenced block is evictable"
+    assert not pool._free & evictable
+    assert all(pool.cache.is_cached(b) for b in evictable)
+    assert not any(pool.cache.is_cached(b) for b in pool._free), "an empty block keeps a hash"
+    assert len(distinct) + pool.num_free == kv.num_blocks, "blocks leaked"
     stats = kv.stats()
-    assert stats.num_used_blocks == len(owned)
+    assert stats.num_used_blocks == len(distinct)
     assert stats.internal_fragmentation >= 0
+    if not kv.enable_caching:
+        assert len(pool.cache) == 0
 
     # Tables belong exactly to the running requests, sized for their computed tokens.
     running_ids = {r.request_id for r in sched.running}
@@ -188,9 +200,15 @@ def check_invariants(sched: Scheduler) -> None:
     for req in sched.running:
         assert req.status is RequestStatus.RUNNING
         assert 0 < req.num_computed_tokens <= req.num_tokens
-        assert len(kv.block_tables[req.request_id]) == math.ceil(
-            req.num_computed_tokens / kv.block_size
-        )
+        table = kv.block_tables[req.request_id]
+        assert len(table) == math.ceil(req.num_computed_tokens / kv.block_size)
+        # A shared block is always a full block of this request's computed tokens, and an
+        # indexed block in its table holds exactly the prefix the request expects there.
+        for i, b in enumerate(table):
+            if pool.ref_cnt[b] > 1:
+                assert (i + 1) * kv.block_size <= req.num_computed_tokens
+            if pool.cache.is_cached(b):
+                assert pool.cache.lookup(req.block_hashes[i]) == b
     for req in sched.waiting:
         assert req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
         if not req.swapped_out:
@@ -221,9 +239,37 @@ def check_step(sched: Scheduler, out: SchedulerOutput) -> None:
             assert sr.samples, "a no-chunk policy split a prompt"
 
 
-def fake_step(sched: Scheduler) -> SchedulerOutput:
+class FakeKV:
+    """What the runner's KV tensors would hold: per slot, the whole token prefix whose KV it
+    is (a token's KV depends on every token before it). Swaps copy it like the runner does."""
+
+    def __init__(self, sched: Scheduler) -> None:
+        self.bs = sched.kv.block_size
+        self.device: dict[int, list[tuple[int, ...] | None]] = {}
+        self.host: dict[int, list[tuple[int, ...] | None]] = {}
+
+    def run(self, out: SchedulerOutput) -> None:
+        for dev, host in out.blocks_to_swap_out:  # out before in, as the runner does
+            self.host[host] = list(self.device.get(dev, [None] * self.bs))
+        for host, dev in out.blocks_to_swap_in:
+            self.device[dev] = list(self.host[host])
+        for sr in out.scheduled:  # every layer writes the step's K/V before attention reads
+            tokens = sr.request.all_token_ids
+            for pos in range(sr.start, sr.start + sr.num_new_tokens):
+                block = self.device.setdefault(sr.block_table[pos // self.bs], [None] * self.bs)
+                block[pos % self.bs] = tuple(tokens[: pos + 1])
+        for sr in out.scheduled:
+            tokens = sr.request.all_token_ids
+            for pos in range(sr.start + sr.num_new_tokens):
+                got = self.device[sr.block_table[pos // self.bs]][pos % self.bs]
+                assert got == tuple(tokens[: pos + 1]), f"{sr.request} reads wrong KV at {pos}"
+
+
+def fake_step(sched: Scheduler, fake: FakeKV | None = None) -> SchedulerOutput:
     out = sched.schedule()
     check_step(sched, out)
+    if fake is not None:
+        fake.run(out)
     sched.update_from_output(out, {sr.request.request_id: TOKEN for sr in out.scheduled if sr.samples})
     return out
 
@@ -235,13 +281,31 @@ def fake_step(sched: Scheduler) -> SchedulerOutput:
 )
 @given(data=st.data())
 def test_random_operations_keep_block_accounting_consistent(data: st.DataObject) -> None:
-    """Random adds, steps, stops, aborts and memory pressure, on every policy and preemption
-    mode: block ownership stays exclusive and complete after every operation, and nothing leaks
-    once everything is aborted or has run to completion (with its full max_tokens)."""
+    """Random adds (with shared prefixes), steps, stops, aborts and memory pressure, on every
+    policy and preemption mode, prefix caching on or off: reference counts match the tables
+    after every operation, no referenced block is ever free, every request reads exactly the KV
+    of its own prefix (a fake runner checks each step), and nothing leaks once everything is
+    aborted or has run to completion (with its full max_tokens)."""
+    random_workload(data, prefix_focus=False)
+
+
+@settings(
+    max_examples=100,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(data=st.data())
+def test_random_shared_prefix_workloads_keep_references_consistent(data: st.DataObject) -> None:
+    """The same, with caching on and small blocks, long operation lists and frequent resends
+    (multi-turn conversations), so that hits, revivals and evictions happen in most examples."""
+    random_workload(data, prefix_focus=True)
+
+
+def random_workload(data: st.DataObject, prefix_focus: bool) -> None:
     policy = data.draw(st.sampled_from(POLICIES), label="policy")
     mode = data.draw(st.sampled_from(["recompute", "swap"]), label="preemption_mode")
-    block_size = data.draw(st.sampled_from([1, 2, 4]), label="block_size")
-    num_blocks = data.draw(st.integers(2, 12), label="num_blocks")
+    block_size = data.draw(st.sampled_from([1, 2] if prefix_focus else [1, 2, 4]), label="block_size")
+    num_blocks = data.draw(st.integers(6 if prefix_focus else 2, 12), label="num_blocks")
     # The engine refuses a cache smaller than max_model_len, and prompt + max_tokens <= it.
     capacity = num_blocks * block_size
     # Mostly near the cache size, so a few requests are enough to run out of blocks.
@@ -262,19 +326,42 @@ def test_random_operations_keep_block_accounting_consistent(data: st.DataObject)
         scheduling_policy=data.draw(st.sampled_from(["fcfs", "priority"]), label="sched_policy"),
     )
     num_swap = data.draw(st.integers(0, 2 * num_blocks), label="num_swap_blocks")
-    sched = Scheduler(
-        config, CacheConfig(block_size=block_size, preemption_mode=mode), num_blocks, num_swap
+    caching = prefix_focus or data.draw(st.booleans(), label="enable_prefix_caching")
+    cache_config = CacheConfig(
+        block_size=block_size, preemption_mode=mode, enable_prefix_caching=caching
     )
+    sched = Scheduler(config.resolve(), cache_config, num_blocks, num_swap)
+    fake = FakeKV(sched)
+    # Prompts share prefixes: a few fixed "system prompts", cut anywhere, then a short suffix.
+    systems = [[100 * (k + 1) + i for i in range(max_model_len)] for k in range(2)]
     expected: dict[str, Request] = {}  # requests that must end by max_tokens
     next_id = 0
 
-    def add(prompt_len: int, longest: bool = False) -> None:
+    history: list[Request] = []
+
+    def add(prompt_len: int, longest: bool = False, resend: bool = False) -> None:
         nonlocal next_id
-        most = max_model_len - prompt_len
+        if resend and history:
+            # The next turn of a conversation: an earlier request's tokens (prompt and output
+            # so far), cut to fit, plus one new token.
+            old = history[data.draw(st.integers(0, len(history) - 1), label="resend_of")]
+            base = old.all_token_ids[: max_model_len - 2]
+            prompt = base + [data.draw(st.integers(10, 12), label="new_token")]
+        else:
+            system = systems[data.draw(st.integers(0, 1), label="system")]
+            shared = data.draw(
+                st.one_of(st.just(prompt_len), st.integers(0, prompt_len)), label="shared_len"
+            )
+            prompt = system[:shared] + data.draw(
+                st.lists(st.integers(10, 12), min_size=prompt_len - shared,
+                         max_size=prompt_len - shared),
+                label="suffix",
+            )
+        most = max_model_len - len(prompt)
         max_tokens = most if longest else data.draw(st.integers(1, most), label="max_tokens")
         req = Request(
             f"r{next_id}",
-            [TOKEN + 1] * prompt_len,
+            prompt,
             SamplingParams(max_tokens=max_tokens, temperature=0),
             arrival_time=float(next_id),
             eos_token_ids=[EOS],
@@ -283,6 +370,7 @@ def test_random_operations_keep_block_accounting_consistent(data: st.DataObject)
         next_id += 1
         sched.add_request(req)
         expected[req.request_id] = req
+        history.append(req)
 
     def pick_live() -> str | None:
         live = sorted(sched.requests)
@@ -291,9 +379,10 @@ def test_random_operations_keep_block_accounting_consistent(data: st.DataObject)
     ops = data.draw(
         st.lists(
             st.sampled_from(
-                ["add", "add", "step", "step", "step", "stop", "abort", "abort_mid_step", "pressure"]
+                ["add", "add", "resend", "step", "step", "step", "stop", "abort", "abort_mid_step",
+                 "pressure"] + ["resend", "resend", "step"] * prefix_focus
             ),
-            min_size=1,
+            min_size=10 if prefix_focus else 1,
             max_size=30,
         ),
         label="ops",
@@ -301,8 +390,10 @@ def test_random_operations_keep_block_accounting_consistent(data: st.DataObject)
     for op in ops:
         if op == "add":
             add(data.draw(st.integers(1, max_model_len - 1), label="prompt_len"))
+        elif op == "resend":
+            add(1, resend=True)
         elif op == "step":
-            fake_step(sched)
+            fake_step(sched, fake)
         elif op in ("stop", "abort"):
             rid = pick_live()
             if rid is not None:
@@ -313,6 +404,7 @@ def test_random_operations_keep_block_accounting_consistent(data: st.DataObject)
             # Abort between schedule() and update_from_output(): the token is dropped.
             out = sched.schedule()
             check_step(sched, out)
+            fake.run(out)  # the runner runs the step whatever is aborted meanwhile
             rid = pick_live()
             if rid is not None:
                 sched.finish_requests([rid], RequestStatus.FINISHED_ABORTED)
@@ -326,7 +418,7 @@ def test_random_operations_keep_block_accounting_consistent(data: st.DataObject)
             for _ in range(data.draw(st.integers(2, 4), label="burst")):
                 add(data.draw(st.integers(1, max(1, max_model_len // 2)), label="prompt_len"), True)
             for _ in range(data.draw(st.integers(1, 2 * max_model_len), label="pressure_steps")):
-                fake_step(sched)
+                fake_step(sched, fake)
         check_invariants(sched)
 
     if data.draw(st.booleans(), label="abort_all_at_end"):
@@ -337,7 +429,7 @@ def test_random_operations_keep_block_accounting_consistent(data: st.DataObject)
         for _ in range(20_000):
             if not sched.has_unfinished_requests():
                 break
-            out = fake_step(sched)
+            out = fake_step(sched, fake)
             check_invariants(sched)
             # A step may be empty after a self-preemption, but never twice in a row.
             idle = 0 if out.scheduled or out.preempted_req_ids else idle + 1
@@ -348,9 +440,11 @@ def test_random_operations_keep_block_accounting_consistent(data: st.DataObject)
             assert req.num_output_tokens == req.sampling_params.max_tokens
     check_invariants(sched)
     assert sched.kv.pool.num_free == num_blocks and not sched.kv.block_tables
+    assert not any(sched.kv.pool.ref_cnt)
     assert sched.swap.num_used == 0 and not sched.swap.tables
     assert not sched.requests
     event(f"preempted: {sched.num_preemptions > 0}")
+    event(f"prefix hits: {sched.kv.prefix_stats.hits > 0}")
 
 
 def test_new_requests_are_placed_with_room_to_grow() -> None:

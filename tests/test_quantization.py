@@ -86,6 +86,8 @@ def test_quantization_choice(monkeypatch):
     assert resolve_quantization("none", "auto", CPU) is None
     assert resolve_quantization("int8", "auto", CPU) == "int8"
     assert resolve_quantization("auto", "float32", CPU) is None  # an explicit dtype is kept
+    monkeypatch.setattr(factory, "cpu_has_avx512_bf16", lambda: False)
+    assert resolve_quantization("auto", "auto", CPU) == "int8"  # the fastest format on AVX2
     monkeypatch.setattr(factory, "cpu_has_avx512_bf16", lambda: True)
     assert resolve_quantization("auto", "auto", CPU) is None  # native bf16 is faster there
     with pytest.raises(ValueError, match="CPU only"):

@@ -2,6 +2,8 @@
 prefill, preemption, priority, stop rules, config resolution and import hygiene."""
 from __future__ import annotations
 
+import zlib
+
 import ast
 import math
 import pathlib
@@ -11,7 +13,7 @@ import sys
 import pytest
 
 import chunkserve.core
-from chunkserve.config import CacheConfig, SchedulerConfig
+from chunkserve.config import CacheConfig, EngineConfig, SchedulerConfig
 from chunkserve.core.request import Request, RequestStatus
 from chunkserve.core.sched_output import ScheduledRequest, SchedulerOutput
 from chunkserve.core.scheduler import Scheduler
@@ -46,7 +48,7 @@ def make_scheduler(
         scheduling_policy=scheduling_policy,
     )
     cache = CacheConfig(block_size=block_size, preemption_mode=mode)
-    return Scheduler(config, cache, num_blocks, num_swap_blocks)
+    return Scheduler(config.resolve(), cache, num_blocks, num_swap_blocks)
 
 
 def make_request(
@@ -60,8 +62,9 @@ def make_request(
     **params: object,
 ) -> Request:
     sp = SamplingParams(max_tokens=max_tokens, temperature=0, **params)  # type: ignore[arg-type]
-    # Prompt tokens never equal EOS/TOKEN, so the prompt content cannot matter.
-    prompt = [100 + i % 50 for i in range(prompt_len)]
+    # Prompt tokens never equal EOS/TOKEN, so the prompt content cannot matter; the first token
+    # is the request's own, so no two requests share a prefix-cache block by accident.
+    prompt = [1000 + zlib.crc32(rid.encode())] + [100 + i % 50 for i in range(1, prompt_len)]
     return Request(rid, prompt, sp, arrival, eos_token_ids=list(eos), priority=priority)
 
 
@@ -320,42 +323,38 @@ def test_no_chunk_budget_below_max_model_len_is_refused() -> None:
         config = SchedulerConfig(scheduler=policy, max_num_batched_tokens=512, max_model_len=1024)
         with pytest.raises(ValueError, match=r"max_num_batched_tokens \(512\) is smaller than "
                            r"max_model_len \(1024\).*chunked prefill"):
-            config.finalize()
-    # The scheduler itself finalizes its config.
-    with pytest.raises(ValueError):
-        make_scheduler("orca", budget=512, max_model_len=1024)
+            config.resolve()
+    # The engine's config resolves the same way.
+    with pytest.raises(ValueError, match="smaller than max_model_len"):
+        EngineConfig.from_kwargs(scheduler="orca", max_num_batched_tokens=512).resolve(1024)
 
 
 def test_chunked_prefill_flag_must_match_policy() -> None:
     """enable_chunked_prefill=False cannot run a chunking policy, nor True a no-chunk one."""
     with pytest.raises(ValueError, match="always chunks"):
-        SchedulerConfig(scheduler="decode-first", enable_chunked_prefill=False).finalize()
+        SchedulerConfig(scheduler="decode-first", enable_chunked_prefill=False).resolve()
     with pytest.raises(ValueError, match="always chunks"):
-        SchedulerConfig(scheduler="vllm-v1", enable_chunked_prefill=False).finalize()
+        SchedulerConfig(scheduler="vllm-v1", enable_chunked_prefill=False).resolve()
     with pytest.raises(ValueError, match="never chunks"):
-        SchedulerConfig(scheduler="orca", enable_chunked_prefill=True).finalize()
+        SchedulerConfig(scheduler="orca", enable_chunked_prefill=True).resolve()
     with pytest.raises(ValueError, match="scheduler must be one of"):
-        SchedulerConfig(scheduler="sjf").finalize()
+        SchedulerConfig(scheduler="sjf").resolve()
 
 
 def test_config_defaults_resolve() -> None:
     """None → decode-first with a 2048 budget; chunking off → prefill-first, budget max_model_len."""
-    config = SchedulerConfig()
-    config.finalize()
+    config = SchedulerConfig().resolve()
     assert (config.scheduler, config.max_num_batched_tokens) == ("decode-first", 2048)
     assert config.enable_chunked_prefill is True and config.chunked
 
-    config = SchedulerConfig(enable_chunked_prefill=False, max_model_len=4096)
-    config.finalize()
+    config = SchedulerConfig(enable_chunked_prefill=False, max_model_len=4096).resolve()
     assert (config.scheduler, config.max_num_batched_tokens) == ("prefill-first", 4096)
     assert config.chunked is False
 
-    config = SchedulerConfig(scheduler="orca", max_model_len=300)
-    config.finalize()
+    config = SchedulerConfig(scheduler="orca", max_model_len=300).resolve()
     assert config.max_num_batched_tokens == 300 and config.enable_chunked_prefill is False
 
-    config = SchedulerConfig(scheduler="vllm-v1")
-    config.finalize()
+    config = SchedulerConfig(scheduler="vllm-v1").resolve()
     assert config.max_num_batched_tokens == 2048 and config.enable_chunked_prefill is True
 
 
@@ -371,7 +370,7 @@ def test_config_defaults_resolve() -> None:
 def test_bad_scheduler_values_are_refused(kwargs: dict[str, object]) -> None:
     """Non-positive sizes and unknown policies raise ValueError."""
     with pytest.raises(ValueError):
-        SchedulerConfig(**kwargs).finalize()  # type: ignore[arg-type]
+        SchedulerConfig(**kwargs).resolve()  # type: ignore[arg-type]
 
 
 # ---- caps -----------------------------------------------------------------------------------
@@ -661,6 +660,14 @@ def test_scheduler_import_does_not_pull_in_torch() -> None:
 
 
 ALLOWED = ("chunkserve.core", "chunkserve.config", "chunkserve.sampling_params")
+
+
+def test_scheduler_takes_only_a_resolved_config() -> None:
+    """Defaults are decided in one place (SchedulerConfig.resolve); the scheduler asserts."""
+    with pytest.raises(AssertionError, match="resolved"):
+        Scheduler(SchedulerConfig(), CacheConfig(), 64)
+    resolved = SchedulerConfig(max_model_len=512).resolve()
+    assert resolved.is_resolved and resolved.resolve() == resolved
 
 
 def test_core_imports_only_core_config_and_sampling_params() -> None:

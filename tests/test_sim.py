@@ -9,10 +9,10 @@ import sys
 import numpy as np
 import pytest
 
-from chunkserve.bench.sweep import SweepPoint, summarize
-from chunkserve.bench.workloads import BenchRequest
-from chunkserve.engine.model_runner import RunnerOutput
-from chunkserve.sim.calibrate import Sample, fit_linear
+from chunkserve.benchlib.args import length_requests
+from chunkserve.benchlib.sweep import SweepPoint, summarize
+from chunkserve.benchlib.workloads import BenchRequest
+from chunkserve.sim.fit import Sample, fit_linear
 from chunkserve.sim.cost_model import (
     LINEAR_FEATURES,
     LinearCostModel,
@@ -20,7 +20,7 @@ from chunkserve.sim.cost_model import (
     StepShape,
     step_time,
 )
-from chunkserve.sim.simulator import SimConfig, SimEngine, length_requests, simulate
+from chunkserve.sim.simulator import SimConfig, sim_engine, simulate
 from chunkserve.sim.specs import get_hardware, get_model, hardware_names, model_names
 
 
@@ -29,39 +29,53 @@ def a100_8b() -> RooflineCostModel:
     return RooflineCostModel(get_hardware("a100-80gb"), get_model("llama-3-8b"))
 
 
-# ---- the same scheduler ------------------------------------------------------------------------
-class FakeRunner:
-    """Stands in for the model: every request that catches up samples token 7."""
+# ---- the same engine loop ----------------------------------------------------------------------
+def test_simulation_is_the_engine_loop_with_another_executor():
+    """Structural: a simulation is an LLMEngine (no engine class of its own) whose executor is
+    the cost model, replayed by the very loop `bench sweep` uses."""
+    import chunkserve.bench.sweep as bench_sweep
+    import chunkserve.sim.simulator as simulator
+    from chunkserve.engine.clock import VirtualClock
+    from chunkserve.engine.executor import Executor
+    from chunkserve.engine.llm_engine import LLMEngine
+    from chunkserve.sim.cost_executor import CostModelExecutor
 
-    def execute(self, out):  # type: ignore[no-untyped-def]
-        return RunnerOutput({s.request.request_id: 7 for s in out.scheduled if s.samples})
+    engine = sim_engine(SweepPoint(64, "decode-first"), SimConfig(256, 20), a100_cost(),
+                        VirtualClock())
+    assert type(engine) is LLMEngine and isinstance(engine.executor, CostModelExecutor)
+    assert all(hasattr(engine.executor, name) for name in Executor.__annotations__)
+    assert simulator.replay is bench_sweep.replay
+    assert not hasattr(simulator, "SimEngine")
 
 
 @pytest.mark.parametrize("scheduler,budget", [("decode-first", 48), ("vllm-v1", 32),
-                                              ("prefill-first", 256)])
+                                              ("prefill-first", None)])
 def test_simulator_schedules_exactly_like_the_engine(tiny_model_dir, scheduler, budget):
+    """Behavioural: the real model and the cost model, same requests, same steps."""
+    from chunkserve.engine.clock import VirtualClock
     from chunkserve.engine.llm_engine import LLMEngine
     from chunkserve.sampling_params import SamplingParams
 
     lengths = [(70, 6), (15, 9), (130, 4), (33, 7), (90, 5)]
-    engine = LLMEngine.from_kwargs(
-        model=tiny_model_dir, dtype="float32", max_model_len=256, scheduler=scheduler,
-        max_num_batched_tokens=budget, num_kv_blocks=20,
-    )
-    engine.runner = FakeRunner()  # type: ignore[assignment]
-    sim = SimEngine(SweepPoint("none" if budget == 256 else budget, scheduler),
-                    SimConfig(max_model_len=256, num_kv_blocks=20), a100_cost())
+    point = SweepPoint(budget, scheduler)
+    engine = LLMEngine.from_kwargs(model=tiny_model_dir, dtype="float32", max_model_len=256,
+                                   num_kv_blocks=20, **point.engine_kwargs())
+    sim = sim_engine(point, SimConfig(max_model_len=256, num_kv_blocks=20), a100_cost(),
+                     VirtualClock())
     for i, (n_in, n_out) in enumerate(lengths):
         params = SamplingParams(max_tokens=n_out, temperature=0.0, ignore_eos=True)
         engine.add_request(f"r{i}", [100 + j for j in range(n_in)], params, arrival_time=0.0)
-        sim.add_request(f"r{i}", n_in, n_out, 0.0)
-    real_log = []
-    while engine.has_unfinished_requests():
-        engine.step()
-        real_log.append([(s.request.request_id, s.num_new_tokens) for s in engine.last_scheduled])
-    while sim.has_unfinished_requests():
-        sim.step()
-    assert sim.scheduled_log == real_log
+        sim.add_request(f"r{i}", [0] * n_in, params, arrival_time=0.0)
+
+    def schedule_log(e: LLMEngine) -> list[list[tuple[str, int]]]:
+        log = []
+        while e.has_unfinished_requests():
+            step = e.step()
+            log.append([(s.request.request_id, s.num_new_tokens) for s in step.scheduled])
+        return log
+
+    real_log = schedule_log(engine)
+    assert schedule_log(sim) == real_log
     assert engine.scheduler.num_preemptions == sim.scheduler.num_preemptions
 
 
@@ -177,7 +191,7 @@ def _long_and_short(n_short: int = 20) -> tuple[list[BenchRequest], list[float]]
 def test_no_chunk_tpot_p99_is_the_long_prefill_step(a100_8b):
     requests, arrivals = _long_and_short()
     config = SimConfig(max_model_len=8192, num_kv_blocks=4000)
-    base = summarize(simulate(SweepPoint("none", "prefill-first"), config, a100_8b, requests,
+    base = summarize(simulate(SweepPoint(None, "prefill-first"), config, a100_8b, requests,
                               arrivals), [99], None)
     chunked = summarize(simulate(SweepPoint(512, "decode-first"), config, a100_8b, requests,
                                  arrivals), [99], None)
@@ -207,7 +221,7 @@ def test_simulation_is_deterministic(tmp_path):
 
 # ---- validation against the real engine ------------------------------------------------------------
 def test_pool_concatenates_requests_and_sums_durations():
-    from chunkserve.bench.metrics import RequestResult
+    from chunkserve.benchlib.metrics import RequestResult
     from chunkserve.bench.sweep import RunResult
     from chunkserve.sim.validate import pool
 
@@ -245,7 +259,7 @@ def test_held_out_model_and_speed_factor():
             out.append((shape, slowdown * step_time(truth, shape)))
         return out
 
-    a, b = SweepPoint(256, "decode-first"), SweepPoint("none", "prefill-first")
+    a, b = SweepPoint(256, "decode-first"), SweepPoint(None, "prefill-first")
     runs = [RealRun(p, 0, [8], [2], [0.0], [], 1.0, steps(f)) for p, f in ((a, 1.0), (b, 1.1))]
     # The model for `a` is fitted on `b` only: the truth at b's speed.
     model_a = held_out_model(runs, a)

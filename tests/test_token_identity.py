@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from chunkserve import LLM, SamplingParams
+from chunkserve.engine.trace import read_trace
 from chunkserve.model.factory import LoadedModel, load_model
 
 MAX_TOKENS = 12
@@ -86,15 +87,17 @@ def test_no_chunk_policies_match_alone(tiny, tiny_prompts, tiny_reference, sched
     ("orca", 256),
 ])
 def test_forced_preemption_matches_alone(
-    tiny, crowded_prompts, crowded_reference, mode, scheduler, budget
+    tiny, crowded_prompts, crowded_reference, mode, scheduler, budget, tmp_path
 ):
+    trace = str(tmp_path / "steps.jsonl")
     tokens, llm = _generate(
         tiny, crowded_prompts, model=tiny.path, scheduler=scheduler, max_num_batched_tokens=budget,
-        num_kv_blocks=16, preemption_mode=mode,
+        num_kv_blocks=16, preemption_mode=mode, trace_file=trace,
     )
+    llm.engine.close()
     assert llm.engine.scheduler.num_preemptions > 0
     if mode == "swap":
-        assert any(r.num_swapped_blocks for r in llm.engine.trace.records)
+        assert any(r.num_swapped_blocks for r in read_trace(trace))
     assert tokens == crowded_reference
     assert llm.engine.scheduler.kv.stats().num_used_blocks == 0
 
@@ -130,3 +133,113 @@ def test_smollm2_chunking_and_preemption_keep_tokens(smollm2: LoadedModel):
         assert tokens == ref, kwargs
         if "num_kv_blocks" in kwargs:
             assert llm.engine.scheduler.num_preemptions > 0, kwargs
+
+
+# ---- prefix caching: hits change only what is recomputed, never the tokens ------------------
+def _shared_prefix_prompts() -> list[list[int]]:
+    """Prompts sharing a 40-token system prefix (2 full blocks of 16 + 8), one repeated
+    verbatim (a whole-prompt hit recomputes its last token), one ending exactly on a block
+    boundary of another, and one with no shared prefix."""
+    (system,) = _prompts([40])
+    tails = _prompts([9, 30, 17, 1])
+    return [
+        system + tails[0],
+        system + tails[1],
+        system + tails[0],  # verbatim repeat of the first
+        system[:32],  # exactly two cached blocks, nothing else
+        system + tails[2] + tails[3],
+        tails[1],  # unrelated
+    ]
+
+
+@pytest.fixture(scope="module")
+def shared_prompts() -> list[list[int]]:
+    return _shared_prefix_prompts()
+
+
+@pytest.fixture(scope="module")
+def shared_reference(tiny: LoadedModel, shared_prompts: list[list[int]]) -> list[list[int]]:
+    return _alone(tiny, shared_prompts)
+
+
+def _twice(loaded: LoadedModel, prompts: list[list[int]], **kwargs: object) -> tuple[list, list, LLM]:
+    """Generates the batch twice on one engine: the second pass hits what the first cached."""
+    llm = LLM(loaded=loaded, dtype="float32", model=loaded.path, **kwargs)
+    first = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+    second_outs = llm.generate(prompts, GREEDY)
+    return first, [o.outputs[0].token_ids for o in second_outs], llm
+
+
+@pytest.mark.parametrize("caching", [True, False])
+@pytest.mark.parametrize("scheduler,budget", [
+    ("decode-first", 16), ("decode-first", 48), ("decode-first", 4096), ("vllm-v1", 32),
+    ("prefill-first", 256), ("orca", 256),
+])
+def test_prefix_caching_on_and_off_match_alone(
+    tiny, shared_prompts, shared_reference, caching, scheduler, budget
+):
+    first, second, llm = _twice(
+        tiny, shared_prompts, scheduler=scheduler, max_num_batched_tokens=budget,
+        enable_prefix_caching=caching,
+    )
+    assert first == shared_reference
+    assert second == shared_reference
+    stats = llm.engine.scheduler.kv.prefix_stats
+    if caching:
+        assert stats.hits > 0
+    else:
+        assert stats.hits == 0 and stats.queries == 0
+    assert llm.engine.scheduler.kv.stats().num_used_blocks == 0
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+@pytest.mark.parametrize("scheduler,budget", [("decode-first", 32), ("vllm-v1", 32), ("orca", 256)])
+def test_prefix_caching_with_forced_preemption_matches_alone(
+    tiny, shared_prompts, shared_reference, mode, scheduler, budget
+):
+    # 12 blocks of 16: the 6 prompts (~240 tokens + output) cannot all run at once. The pool
+    # must still hold one max-length request, hence max_model_len 128 (the prompts fit it).
+    first, second, llm = _twice(
+        tiny, shared_prompts, scheduler=scheduler, max_num_batched_tokens=budget,
+        num_kv_blocks=12, preemption_mode=mode, max_model_len=128,
+    )
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.scheduler.kv.prefix_stats.hits > 0
+    assert first == shared_reference and second == shared_reference
+    assert llm.engine.scheduler.kv.stats().num_used_blocks == 0
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_aborts_with_prefix_caching_keep_other_tokens(tiny, shared_prompts, shared_reference, caching):
+    """Aborting requests mid-prefill and mid-decode releases their shared blocks without
+    disturbing the others; a later request reusing the aborted one's cached blocks still
+    generates the reference tokens."""
+    llm = LLM(loaded=tiny, dtype="float32", model=tiny.path, max_num_batched_tokens=24,
+              enable_prefix_caching=caching)
+    engine = llm.engine
+    ids = [engine.add_request(None, p, GREEDY) for p in shared_prompts]
+    tokens: dict[str, list[int]] = {}
+    for step in range(40):
+        if step == 2:
+            engine.abort_request(ids[1])  # mid-prefill
+        if step == 12:
+            engine.abort_request(ids[4])  # mid-decode (or late prefill)
+        for out in engine.step().outputs:
+            tokens[out.request_id] = out.outputs[0].token_ids
+    while engine.has_unfinished_requests():
+        for out in engine.step().outputs:
+            tokens[out.request_id] = out.outputs[0].token_ids
+    for i, rid in enumerate(ids):
+        if i not in (1, 4):
+            assert tokens[rid] == shared_reference[i], i
+    again = llm.generate([shared_prompts[1], shared_prompts[4]], GREEDY)
+    assert [o.outputs[0].token_ids for o in again] == [shared_reference[1], shared_reference[4]]
+    assert engine.scheduler.kv.stats().num_used_blocks == 0
+
+
+def test_num_cached_tokens_reported_per_request(tiny, shared_prompts):
+    llm = LLM(loaded=tiny, dtype="float32", model=tiny.path)
+    (first,) = llm.generate([shared_prompts[0]], GREEDY)
+    assert first.num_cached_tokens == 0
+    (second,) = llm.generate([shared_prompts[1]], GREEDY)
+    assert second.num_cached_tokens == 32  # the two full blocks of the 40-token system prompt

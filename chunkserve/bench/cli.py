@@ -19,11 +19,11 @@ def _add_serve(bench_sub: argparse._SubParsersAction) -> None:
 
 
 def _add_sweep(bench_sub: argparse._SubParsersAction) -> None:
-    from chunkserve.bench.sweep_cli import add_sweep_args, run_sweep
+    from chunkserve.bench.sweep_cli import add_bench_sweep_args, run_sweep
 
     p = bench_sub.add_parser(
         "sweep", help="replay one workload over many chunk sizes on the in-process engine")
-    add_sweep_args(p)
+    add_bench_sweep_args(p)
     p.set_defaults(func=run_sweep)
 
 

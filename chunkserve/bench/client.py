@@ -13,7 +13,7 @@ from typing import Any
 
 import aiohttp
 
-from chunkserve.bench.metrics import RequestResult
+from chunkserve.benchlib.metrics import RequestResult
 
 
 def is_chat_endpoint(endpoint: str) -> bool:

@@ -17,8 +17,16 @@ import time
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-from chunkserve.bench.metrics import METRIC_NAMES, RequestResult, compute_metrics, print_summary
-from chunkserve.bench.workloads import DATASET_NAMES, BenchRequest, arrival_times, sample_requests
+from chunkserve.benchlib.args import add_workload_args, workload_requests
+from chunkserve.benchlib.metrics import (
+    METRIC_NAMES,
+    RequestResult,
+    compute_metrics,
+    parse_goodput,
+    parse_percentiles,
+    print_summary,
+)
+from chunkserve.benchlib.workloads import BenchRequest, arrival_times
 
 if TYPE_CHECKING:
     import aiohttp
@@ -27,18 +35,7 @@ if TYPE_CHECKING:
 _REQUEST_TIMEOUT_S = 6 * 60 * 60
 _BACKENDS = {"openai": "/v1/completions", "vllm": "/v1/completions",
              "openai-chat": "/v1/chat/completions"}
-_SYNTHETIC = ("random", "mixed", "sharegpt-like")
-
-
-def int_pair(text: str) -> tuple[int, int]:
-    lo, _, hi = text.partition(":")
-    try:
-        pair = (int(lo), int(hi))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected LOW:HIGH token counts, got {text!r}") from None
-    if not 1 <= pair[0] <= pair[1]:
-        raise argparse.ArgumentTypeError(f"expected 1 <= LOW <= HIGH, got {text!r}")
-    return pair
+_SYNTHETIC = ("random", "mixed", "sharegpt-like", "shared-prefix")
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -57,27 +54,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     conn.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
                       help="bearer token (default: $OPENAI_API_KEY)")
 
-    data = p.add_argument_group("workload")
-    data.add_argument("--dataset-name", choices=DATASET_NAMES, default="random")
-    data.add_argument("--dataset-path", default=None, help="JSONL for --dataset-name file")
-    data.add_argument("--num-prompts", type=int, default=1000)
-    data.add_argument("--seed", type=int, default=0)
-    data.add_argument("--random-input-len", type=int, default=1024)
-    data.add_argument("--random-output-len", type=int, default=128)
-    data.add_argument("--random-range-ratio", type=float, default=0.0)
-    data.add_argument("--mixed-long-fraction", type=float, default=0.1,
-                      help="share of long prompts in the mixed workload")
-    data.add_argument("--mixed-long-input-range", type=int_pair, default=(2048, 4096),
-                      metavar="LOW:HIGH")
-    data.add_argument("--mixed-short-input-range", type=int_pair, default=(32, 256),
-                      metavar="LOW:HIGH")
-    data.add_argument("--mixed-output-range", type=int_pair, default=(32, 128), metavar="LOW:HIGH")
+    add_workload_args(p.add_argument_group("workload"), dataset_name="random", num_prompts=1000)
 
     load = p.add_argument_group("traffic")
     load.add_argument("--request-rate", type=float, default=math.inf,
                       help="requests per second ('inf': all at once)")
-    load.add_argument("--burstiness", type=float, default=1.0,
-                      help="gamma shape of arrival gaps: 1 Poisson, <1 burstier, >1 steadier")
     load.add_argument("--max-concurrency", type=int, default=None)
     load.add_argument("--num-warmups", type=int, default=0,
                       help="untimed copies of the first request sent before the run")
@@ -99,21 +80,6 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     out.add_argument("--result-dir", default=None)
     out.add_argument("--result-filename", default=None)
     out.add_argument("--disable-tqdm", action="store_true")
-
-
-def _parse_goodput(pairs: list[str] | None) -> dict[str, float]:
-    slos: dict[str, float] = {}
-    for pair in pairs or []:
-        name, _, value = pair.partition(":")
-        try:
-            slos[name] = float(value)
-        except ValueError:
-            raise ValueError(f"--goodput expects KEY:MS pairs, got {pair!r}") from None
-        if name not in ("ttft", "tpot", "e2el"):
-            raise ValueError(f"--goodput key must be ttft, tpot or e2el, got {name!r}")
-        if slos[name] < 0:
-            raise ValueError(f"--goodput value must be non-negative, got {pair!r}")
-    return slos
 
 
 async def _first_model(session: aiohttp.ClientSession, base_url: str,
@@ -216,8 +182,8 @@ async def _bench(args: argparse.Namespace) -> int:
     bad = set(percentile_metrics) - set(METRIC_NAMES)
     if bad:
         raise ValueError(f"--percentile-metrics: unknown {sorted(bad)}; choose from {METRIC_NAMES}")
-    percentiles = [float(p) for p in args.metric_percentiles.split(",") if p.strip()]
-    slos = _parse_goodput(args.goodput)
+    percentiles = parse_percentiles(args.metric_percentiles)
+    slos = parse_goodput(args.goodput)
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError("--max-concurrency must be at least 1")
 
@@ -229,7 +195,11 @@ async def _bench(args: argparse.Namespace) -> int:
     ignore_eos = args.ignore_eos if args.ignore_eos is not None else args.dataset_name in _SYNTHETIC
 
     timeout = aiohttp.ClientTimeout(total=_REQUEST_TIMEOUT_S)
-    connector = aiohttp.TCPConnector(limit=args.max_concurrency or 0)
+    # force_close: one connection per request. A kept-alive connection that sat idle past the
+    # server's keep-alive timeout (uvicorn: 5 s) can be closed by the server just as the client
+    # reuses it; under sparse open-loop arrivals that failed requests with "Server
+    # disconnected" against both chunkserve and llama-server. A loopback connect costs ~0.1 ms.
+    connector = aiohttp.TCPConnector(limit=args.max_concurrency or 0, force_close=True)
     # read_bufsize: SSE lines longer than aiohttp's 64 KiB default would fail a request.
     async with aiohttp.ClientSession(timeout=timeout, connector=connector,
                                      read_bufsize=2**20) as session:
@@ -239,13 +209,7 @@ async def _bench(args: argparse.Namespace) -> int:
             print(f"Model: {model_id}")
         tokenizer_id, tokenizer = _load_tokenizer([args.tokenizer] if args.tokenizer
                                                   else [model_id, root])
-        requests = sample_requests(
-            args.dataset_name, tokenizer, args.num_prompts, args.seed,
-            random_input_len=args.random_input_len, random_output_len=args.random_output_len,
-            random_range_ratio=args.random_range_ratio, long_fraction=args.mixed_long_fraction,
-            long_input_range=args.mixed_long_input_range,
-            short_input_range=args.mixed_short_input_range,
-            output_range=args.mixed_output_range, dataset_path=args.dataset_path)
+        requests = workload_requests(args, tokenizer)
         distribution = "Poisson process" if args.burstiness == 1.0 else "Gamma distribution"
         print(f"Traffic request rate: {args.request_rate}")
         print(f"Burstiness factor: {args.burstiness} ({distribution})")
@@ -262,7 +226,7 @@ async def _bench(args: argparse.Namespace) -> int:
         print("Failed requests during benchmark run detected (capping to 10):")
         for i, r in enumerate(failed[:10]):
             print(f"Error {i}: {r.error}")
-    metrics = compute_metrics(results, duration, percentiles, slos or None)
+    metrics = compute_metrics(results, duration, percentiles, slos)
     print_summary(metrics, selected_percentile_metrics=percentile_metrics,
                   selected_percentiles=percentiles, max_concurrency=args.max_concurrency,
                   request_rate=args.request_rate)
@@ -275,7 +239,7 @@ async def _bench(args: argparse.Namespace) -> int:
             "request_rate": "inf" if math.isinf(args.request_rate) else args.request_rate,
             "burstiness": args.burstiness, "max_concurrency": args.max_concurrency,
             "dataset_name": args.dataset_name, "endpoint": endpoint, "ignore_eos": ignore_eos,
-            "goodput_slos_ms": slos or None,
+            "goodput_slos_ms": slos,
             **metrics,
         }
         if args.save_detailed:

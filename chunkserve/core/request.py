@@ -59,6 +59,12 @@ class Request:
         self.swapped_out = False
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
+        # Prefix caching: hashes of the full blocks of `all_token_ids`, filled in lazily by the
+        # KV cache manager; and what else keys the KV besides the tokens (e.g. a LoRA id).
+        self.block_hashes: list[bytes] = []
+        self.cache_extra_keys: tuple[object, ...] = ()
+        # Prompt tokens found in the prefix cache when first scheduled; -1 until then.
+        self.num_cached_tokens = -1
 
     @property
     def num_tokens(self) -> int:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from chunkserve.core.kv_cache import KVCacheStats
+from chunkserve.core.kv_cache import KVCacheStats, PrefixCacheStats
 from chunkserve.core.request import Request
 
 
@@ -37,6 +37,10 @@ class SchedulerOutput:
     num_running: int = 0
     num_waiting: int = 0
     token_budget: int = 0  # the step's token budget (static, or the adaptive policy's choice)
+    # Prefix-cache lookups of this step's admissions (tokens), and the running totals.
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    prefix_cache_stats: PrefixCacheStats | None = None
 
     @property
     def total_num_scheduled_tokens(self) -> int:

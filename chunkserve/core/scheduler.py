@@ -17,10 +17,16 @@ from a step-time model (core/chunk_budget.py); ``max_num_batched_tokens`` is the
 
 When a block cannot be allocated the most recently admitted running request is preempted,
 by recompute (KV dropped, it re-prefills prompt + output) or swap (KV copied to host).
+
+With prefix caching, admission first looks up the request's longest cached prefix of full
+blocks: those tokens count as computed, and its first chunk starts right after them, so the
+budget is spent only on tokens still to compute. A recompute-preempted request's own blocks
+stay cached after it is evicted, so its re-prefill usually hits most of them.
 """
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import replace
 
 from chunkserve.config import CacheConfig, SchedulerConfig
 from chunkserve.core.chunk_budget import StepTimeFn, adaptive_prefill_tokens, check_target
@@ -36,19 +42,20 @@ class Scheduler:
         cache_config: CacheConfig,
         num_kv_blocks: int,
         num_swap_blocks: int = 0,
-        step_time: StepTimeFn | None = None,
     ) -> None:
-        """`step_time` predicts a planned step's duration; the adaptive chunk policy needs it."""
-        config.finalize()
+        # Defaults are decided once, by SchedulerConfig.resolve(); the scheduler only runs them.
+        assert config.is_resolved, "the scheduler takes a resolved config (SchedulerConfig.resolve)"
+        # adaptive: resolve() checked that the config carries a step-time model and a target.
+        self.step_time: StepTimeFn | None = None
         if config.chunk_policy == "adaptive":
-            if step_time is None:
-                raise ValueError("chunk_policy 'adaptive' needs a step-time model")
-            assert config.target_itl_ms is not None  # finalize() checked
-            check_target(step_time, config.target_itl_ms / 1e3)
-        self.step_time = step_time
+            assert config.step_time is not None and config.target_itl_ms is not None
+            self.step_time = config.step_time
+            check_target(self.step_time, config.target_itl_ms / 1e3)
         self.config = config
         self.cache_config = cache_config
-        self.kv = KVCacheManager(num_kv_blocks, cache_config.block_size)
+        self.kv = KVCacheManager(
+            num_kv_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+        )
         self.swap = SwapSpace(num_swap_blocks if cache_config.preemption_mode == "swap" else 0)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: the last one is the next victim
@@ -86,6 +93,10 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def reset_prefix_cache(self) -> int:
+        """Forgets every cached prefix (POST /reset_prefix_cache); see KVCacheManager."""
+        return self.kv.reset_prefix_cache()
+
     def _release(self, req: Request) -> None:
         self.kv.free(req.request_id)
         self.swap.free(req.request_id)
@@ -115,12 +126,13 @@ class Scheduler:
         elif policy == "orca":
             self._schedule_decodes()
             self._admit_waiting()
-        else:  # finalize() rejects unknown names; this guards against later edits
+        else:  # resolve() rejects unknown names; this guards against later edits
             raise AssertionError(policy)
 
         out = self._out
         out.scheduled = list(self._scheduled.values())
         out.kv_stats = self.kv.stats()
+        out.prefix_cache_stats = replace(self.kv.prefix_stats)
         out.num_running = len(self.running)
         out.num_waiting = len(self.waiting)
         out.token_budget = self._step_budget
@@ -158,14 +170,19 @@ class Scheduler:
             return
         while self.waiting and self._budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self._peek_waiting()
-            n = self._chunk(req)
-            if not self.config.chunked and n < req.num_uncomputed_tokens:
+            # A swapped-out request brings its own KV back; anyone else may hit the cache.
+            hits = [] if req.swapped_out else self.kv.get_computed_blocks(req)
+            num_hit = len(hits) * self.kv.block_size
+            n = self._chunk(req, num_hit)
+            if not self.config.chunked and n < req.num_uncomputed_tokens - num_hit:
                 break  # a whole prompt must fit the step: wait for a step with more budget
             blocks_before = self.swap.tables.get(req.request_id, [])
             expected = min(req.num_prompt_tokens + self._max_tokens(req), self.config.max_model_len)
-            if self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n, expected) is None:
+            start = req.num_computed_tokens + num_hit
+            if self.kv.allocate_slots(req.request_id, start + n, expected, hits) is None:
                 break  # strict FCFS: nobody overtakes a request that does not fit
             self._remove_waiting(req)
+            self._apply_hit(req, num_hit)
             if req.swapped_out:
                 table = self.kv.block_tables[req.request_id]
                 self._out.blocks_to_swap_in += self.swap.swap_in(
@@ -180,8 +197,8 @@ class Scheduler:
     def _token_budget(self) -> int:
         """This step's budget: the static cap, or the decodes plus the adaptive chunk."""
         cap = self.config.max_num_batched_tokens
-        assert cap is not None  # finalize() filled it
-        if self.config.chunk_policy != "adaptive" or self.step_time is None:
+        assert cap is not None  # resolve() filled it
+        if self.step_time is None:
             return cap
         decodes = [r for r in self.running if r.status is RequestStatus.RUNNING and r.is_decoding]
         decodes = decodes[:cap]  # more than the cap cannot run this step anyway
@@ -194,13 +211,31 @@ class Scheduler:
         assert self.config.target_itl_ms is not None
         chunk = adaptive_prefill_tokens(
             self.step_time, self.config.target_itl_ms / 1e3, len(decodes),
-            sum(r.num_computed_tokens + 1 for r in decodes), prefill.num_computed_tokens,
+            sum(r.num_computed_tokens + 1 for r in decodes), self._prefill_context(prefill),
             self.config.min_chunk_tokens, cap - len(decodes),
         )
         return len(decodes) + chunk
 
-    def _chunk(self, req: Request) -> int:
-        n = req.num_uncomputed_tokens
+    def _prefill_context(self, req: Request) -> int:
+        """Tokens the request's next chunk attends to: computed ones, plus for a request still
+        waiting the prefix-cache hit it will get at admission (the lookup takes no reference)."""
+        if req.status is RequestStatus.RUNNING or req.swapped_out:
+            return req.num_computed_tokens
+        return req.num_computed_tokens + len(self.kv.get_computed_blocks(req)) * self.kv.block_size
+
+    def _apply_hit(self, req: Request, num_hit: int) -> None:
+        """An admitted request skips its cached tokens; the lookup is counted once here."""
+        if not req.swapped_out and self.kv.enable_caching:
+            self.kv.record_lookup(req.num_tokens, num_hit)
+            self._out.prefix_cache_queries += req.num_tokens
+            self._out.prefix_cache_hits += num_hit
+        req.num_computed_tokens += num_hit
+        if req.num_cached_tokens < 0:  # what the client is told: the hit at first schedule
+            req.num_cached_tokens = num_hit
+
+    def _chunk(self, req: Request, num_cached: int = 0) -> int:
+        """Tokens to compute this step, after the first `num_cached` uncomputed ones (a hit)."""
+        n = req.num_uncomputed_tokens - num_cached
         threshold = self.config.long_prefill_token_threshold
         # A chunk-size cap: only meaningful when chunking. A no-chunk policy must run the whole
         # prompt in one step, so capping it there would leave the prompt waiting forever.
@@ -238,6 +273,7 @@ class Scheduler:
         # Optimistic, as in vLLM: the tokens count as computed once scheduled.
         req.num_computed_tokens += n
         self._budget -= n
+        self.kv.cache_blocks(req, req.num_computed_tokens)
 
     def _pick_victim(self) -> Request:
         candidates = [r for r in self.running if r.request_id not in self._scheduled]

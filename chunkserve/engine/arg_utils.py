@@ -49,16 +49,15 @@ def add_engine_args(p: argparse.ArgumentParser, model_flag: bool = True) -> None
     g.add_argument("--long-prefill-token-threshold", type=int, default=0)
     g.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default="fcfs")
     add_chunk_policy_args(g)
-    g.add_argument("--cost-model", default=None,
-                   help="adaptive: a `chunkserve profile` file or a hardware preset (a100-80gb, "
-                        "...); default: the cached profile of this machine "
-                        "($CHUNKSERVE_PROFILE or ~/.cache/chunkserve/profile.json)")
+    add_cost_model_arg(g)
     c = p.add_argument_group("KV cache")
     c.add_argument("--block-size", type=int, default=16)
     c.add_argument("--kv-cache-memory", type=float, default=None, help="GiB (default 2)")
     c.add_argument("--num-kv-blocks", type=int, default=None, help="overrides --kv-cache-memory")
     c.add_argument("--preemption-mode", choices=PREEMPTION_MODES, default="recompute")
     c.add_argument("--swap-space", type=float, default=4.0, help="GiB of host swap (swap mode)")
+    c.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV of full blocks shared with earlier prompts (vLLM V1: on)")
     p.add_argument("--trace-file", default=None, help="write one JSON line per engine step")
 
 
@@ -74,13 +73,24 @@ def add_chunk_policy_args(p: argparse._ActionsContainer) -> None:
                    help="adaptive: the smallest prefill chunk, so prefill always progresses")
 
 
+def add_cost_model_arg(p: argparse._ActionsContainer) -> None:
+    """Where a real engine's adaptive policy gets its step-time model (the simulator has one)."""
+    p.add_argument("--cost-model", default=None,
+                   help="adaptive: a `chunkserve profile` file or a hardware preset (a100-80gb, "
+                        "...); default: the cached profile of this machine "
+                        "($CHUNKSERVE_PROFILE or ~/.cache/chunkserve/profile.json)")
+
+
 ENGINE_KEYS = (
     "model", "dtype", "device", "max_model_len", "seed", "load_format", "attention_backend",
     "enforce_eager", "quantization", "enable_chunked_prefill",
     "max_num_batched_tokens", "max_num_seqs", "scheduler", "long_prefill_token_threshold",
     "scheduling_policy", "block_size", "kv_cache_memory", "num_kv_blocks", "preemption_mode",
-    "swap_space", "trace_file", "chunk_policy", "target_itl_ms", "min_chunk_tokens",
-    "cost_model",
+    "swap_space", "trace_file", "enable_prefix_caching", "chunk_policy", "target_itl_ms",
+    "min_chunk_tokens",
+    # Not a flag: the adaptive policy's step-time model, which the command line builds from
+    # --cost-model (cli.py; the engine cannot import the simulator's cost models).
+    "step_time",
 )
 
 

@@ -1,12 +1,12 @@
 """Scheduler output → tensors → tokens. Owns the model, the paged KV tensors and the swap pool."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
+from chunkserve.config import DEFAULT_KV_CACHE_GIB, EngineConfig
 from chunkserve.core.sched_output import SchedulerOutput
 from chunkserve.engine.cuda_graph import CUDAGraphRunner, capture_sizes
+from chunkserve.engine.executor import RunnerOutput
 from chunkserve.engine.input_batch import build_layout, sample_rows
 from chunkserve.engine.sampler import Sampler, SamplingRow
 from chunkserve.model.batch import BatchLayout, DeviceStager
@@ -19,14 +19,12 @@ def kv_bytes_per_block(model: LlamaModel, block_size: int) -> int:
     return per_token * block_size
 
 
-@dataclass
-class RunnerOutput:
-    sampled: dict[str, int] = field(default_factory=dict)  # request id -> new token
-    # request id -> [(sampled token, logprob), *top-k (token, logprob)], only when asked for
-    logprobs: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+GiB = 1 << 30
 
 
 class ModelRunner:
+    """The real model as the engine's `Executor`."""
+
     def __init__(
         self,
         model: LlamaModel,
@@ -40,6 +38,8 @@ class ModelRunner:
     ) -> None:
         self.model = model
         self.block_size = block_size
+        self.num_kv_blocks = num_kv_blocks
+        self.num_swap_blocks = num_swap_blocks
         shape = (len(model.layers), 2, num_kv_blocks, block_size, model.num_kv_heads, model.head_dim)
         # torch.empty leaves pages untouched until written: a large pool costs nothing up front.
         self.device = model.device
@@ -56,6 +56,33 @@ class ModelRunner:
         self._generators: dict[str, torch.Generator] = {}
         self.stager = DeviceStager(self.device)
         self.graphs = self._capture_graphs(enforce_eager, max_num_seqs, max_model_len)
+
+    @classmethod
+    def from_config(cls, model: LlamaModel, config: EngineConfig) -> ModelRunner:
+        """Sizes the KV pool (and the swap pool) from the cache config and the model's shape."""
+        cc = config.cache_config
+        block_bytes = kv_bytes_per_block(model, cc.block_size)
+        kv_gib = cc.kv_cache_memory if cc.kv_cache_memory is not None else DEFAULT_KV_CACHE_GIB
+        num_blocks = cc.num_kv_blocks or int(kv_gib * GiB // block_bytes)
+        num_swap = int(cc.swap_space * GiB // block_bytes) if cc.preemption_mode == "swap" else 0
+        return cls(
+            model, num_blocks, cc.block_size, num_swap,
+            enforce_eager=config.model_config.enforce_eager,
+            max_num_seqs=config.scheduler_config.max_num_seqs,
+            max_model_len=config.max_model_len,
+        )
+
+    def commit_kv_memory(self) -> None:
+        """Writes the KV pools once, so all their memory is resident from now on.
+
+        The pools are allocated untouched (free until used, right for a short benchmark), and
+        block placement walks the whole pool over time, so a long-running server's RSS climbed
+        by up to the pool's size (2 GiB by default) for as long as it served: indistinguishable
+        from a leak, and an out-of-memory that hits hours in rather than at startup.
+        """
+        for pool in (self.kv_cache, self.swap_cache):
+            if pool is not None:
+                pool.zero_()
 
     def _capture_graphs(
         self, enforce_eager: bool, max_num_seqs: int, max_model_len: int | None

@@ -1,13 +1,13 @@
 """The step trace: one record per engine step, the ground truth for every latency analysis.
 
-The record's fields are a stable contract (docs/trace.md): the simulator emits the same records
-and the benchmarks read them. Add fields at the end; never rename or drop one.
+The record's fields are a stable contract (docs/trace.md): simulated steps get the same records
+(the same engine loop makes them) and the benchmarks read them. Add fields at the end; never
+rename or drop one.
 """
 from __future__ import annotations
 
 import gzip
 import json
-from collections import deque
 from dataclasses import asdict, dataclass, field, fields
 from typing import IO
 
@@ -30,11 +30,18 @@ class StepRecord:
     internal_fragmentation: int  # allocated slots minus stored tokens
     num_preemptions: int  # in this step
     num_swapped_blocks: int  # blocks copied out + in this step
+    # Prefix caching (defaults keep older trace files readable). Queries and hits are token
+    # counts of the requests admitted this step; the hit rate is cumulative since start.
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    prefix_cache_hit_rate: float = 0.0
     # Added by issue 14 (defaults let older traces load):
     token_budget: int | None = None  # the step's token budget: max_num_batched_tokens, or the
     # adaptive chunk policy's choice for this step
     # [request_id, tokens, cached before] per prefill in the step: names the request behind a
-    # long step (decodes are left out: one token each, and there can be hundreds)
+    # long step (decodes are left out: one token each, and there can be hundreds). "Cached
+    # before" is the chunk's start: earlier chunks plus, on a request's first chunk, its
+    # prefix-cache hit (those tokens were never computed in any step).
     prefill_requests: list[list] = field(default_factory=list)
 
     @property
@@ -61,6 +68,9 @@ def step_record(step: int, start: float, duration: float, out: SchedulerOutput) 
         internal_fragmentation=stats.internal_fragmentation,
         num_preemptions=len(out.preempted_req_ids),
         num_swapped_blocks=len(out.blocks_to_swap_out) + len(out.blocks_to_swap_in),
+        prefix_cache_queries=out.prefix_cache_queries,
+        prefix_cache_hits=out.prefix_cache_hits,
+        prefix_cache_hit_rate=out.prefix_cache_stats.hit_rate if out.prefix_cache_stats else 0.0,
         token_budget=out.token_budget,
         prefill_requests=[
             [s.request.request_id, s.num_new_tokens, s.start] for s in out.scheduled
@@ -70,25 +80,15 @@ def step_record(step: int, start: float, duration: float, out: SchedulerOutput) 
 
 
 class StepTrace:
-    def __init__(self, path: str | None = None, max_records: int | None = 100_000) -> None:
-        # Bounded in memory so a long-running server does not grow without end; the file,
-        # when asked for, keeps every step.
-        self.records: deque[StepRecord] = deque(maxlen=max_records)
+    """Writes every step's record to `--trace-file`. Nothing is kept in memory: each step's
+    record comes back in its StepResult, and a caller that wants a history keeps its own."""
+
+    def __init__(self, path: str | None = None) -> None:
         self._file: IO[str] | None = open(path, "w", buffering=1) if path else None
 
-    def keep_all(self) -> None:
-        """Lifts the in-memory bound: a benchmark of bounded length needs every step."""
-        self.records = deque(self.records, maxlen=None)
-
-    def keep_last(self, n: int) -> None:
-        """Tightens the bound: a server reads only the newest record, and 100,000 of them are
-        ~30 MB that its RSS would gain over its first hours."""
-        self.records = deque(self.records, maxlen=n)
-
     def add(self, record: StepRecord) -> None:
-        self.records.append(record)
         if self._file is not None:
-            self._file.write(json.dumps(asdict(record)) + "\n")
+            self._file.write(_line(record))
 
     def close(self) -> None:
         if self._file is not None:
@@ -96,10 +96,14 @@ class StepTrace:
             self._file = None
 
 
+def _line(record: StepRecord) -> str:
+    return json.dumps(asdict(record)) + "\n"
+
+
 def write_trace(path: str, records: list[StepRecord]) -> None:
     with (gzip.open(path, "wt") if path.endswith(".gz") else open(path, "w")) as f:
         for record in records:
-            f.write(json.dumps(asdict(record)) + "\n")
+            f.write(_line(record))
 
 
 _FIELDS = {f.name for f in fields(StepRecord)}

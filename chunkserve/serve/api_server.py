@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -15,16 +15,17 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from chunkserve import __version__
 from chunkserve.engine.llm_engine import LLMEngine
 from chunkserve.serve.async_engine import AsyncEngine
+from chunkserve.serve.cache_endpoints import router as cache_router
 from chunkserve.serve.metrics import ServerMetrics
 from chunkserve.serve.middleware import EdgeMiddleware
-from chunkserve.serve.openai_endpoints import register_openai_routes
+from chunkserve.serve.openai_endpoints import router as openai_router
 from chunkserve.serve.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
     error_body,
     validation_error_message,
 )
-from chunkserve.serve.serving import ApiError, Serving
+from chunkserve.serve.serving import ApiError, Serving, get_serving
 
 log = logging.getLogger("chunkserve.server")
 DEFAULT_MAX_BODY_BYTES = 8 << 20  # 8 MiB: far above any prompt this server can hold
@@ -34,6 +35,9 @@ def error_response(e: ApiError) -> JSONResponse:
     return JSONResponse(
         error_body(e.message, e.err_type, e.status, e.param), e.status, headers=e.headers
     )
+
+
+router = APIRouter()
 
 
 def build_app(
@@ -57,8 +61,19 @@ def build_app(
 
     app = FastAPI(title="chunkserve", version=__version__, lifespan=lifespan)
     app.add_middleware(EdgeMiddleware, max_body_bytes=max_body_bytes, api_key=api_key)
+    # The routers reach these through the request (serving.get_serving), never an import.
     app.state.serving = serving
     app.state.metrics = metrics
+    app.state.model = engine.config.model_config.model
+    _add_error_handlers(app)
+    app.include_router(router)
+    app.include_router(openai_router)
+    app.include_router(cache_router)
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error leaves in OpenAI's `{"error": {...}}` shape (FastAPI's own: 422, 404, 405)."""
 
     @app.exception_handler(ApiError)
     async def on_api_error(_: Request, e: ApiError) -> JSONResponse:
@@ -74,51 +89,56 @@ def build_app(
         err_type = {404: "NotFoundError", 405: "MethodNotAllowedError"}.get(e.status_code, "Error")
         return JSONResponse(error_body(str(e.detail), err_type, e.status_code), e.status_code)
 
-    @app.get("/health")
-    async def health() -> Response:
-        return Response(status_code=200 if async_engine.is_healthy else 503)
 
-    @app.get("/version")
-    async def version() -> dict[str, str]:
-        return {"version": __version__}
+@router.get("/health")
+async def health(serving: Serving = Depends(get_serving)) -> Response:
+    return Response(status_code=200 if serving.async_engine.is_healthy else 503)
 
-    @app.get("/metrics")
-    async def prometheus() -> Response:
-        body, content_type = metrics.render()
-        return Response(body, media_type=content_type)
 
-    @app.post("/tokenize")
-    async def tokenize(req: TokenizeRequest) -> dict[str, Any]:
-        serving.check_model(req.model)
-        if req.messages is not None:
-            text = await serving.render_chat(req.message_dicts(), req.add_generation_prompt)
-            tokens = await serving.tokenize(text, add_special_tokens=False)
-        else:
-            tokens = await serving.tokenize(req.prompt or "", req.add_special_tokens)
-        return {"count": len(tokens), "max_model_len": serving.max_model_len, "tokens": tokens}
+@router.get("/version")
+async def version() -> dict[str, str]:
+    return {"version": __version__}
 
-    @app.post("/detokenize")
-    async def detokenize(req: DetokenizeRequest) -> dict[str, str]:
-        serving.check_model(req.model)
-        vocab = engine.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in req.tokens):
-            raise ApiError(400, f"Token ids must be integers in [0, {vocab}).", param="tokens")
-        text = await asyncio.to_thread(serving.tokenizer.decode, req.tokens, False)
-        return {"prompt": text}
 
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [{
-                "id": served_model_name, "object": "model", "created": 0,
-                "owned_by": "chunkserve", "root": engine.config.model_config.model,
-                "max_model_len": serving.max_model_len,
-            }],
-        }
+@router.get("/metrics")
+async def prometheus(raw: Request) -> Response:
+    body, content_type = raw.app.state.metrics.render()
+    return Response(body, media_type=content_type)
 
-    register_openai_routes(app, serving)
-    return app
+
+@router.post("/tokenize")
+async def tokenize(req: TokenizeRequest, serving: Serving = Depends(get_serving)) -> dict[str, Any]:
+    serving.check_model(req.model)
+    if req.messages is not None:
+        text = await serving.render_chat(req.message_dicts(), req.add_generation_prompt)
+        tokens = await serving.tokenize(text, add_special_tokens=False)
+    else:
+        tokens = await serving.tokenize(req.prompt or "", req.add_special_tokens)
+    return {"count": len(tokens), "max_model_len": serving.max_model_len, "tokens": tokens}
+
+
+@router.post("/detokenize")
+async def detokenize(
+    req: DetokenizeRequest, serving: Serving = Depends(get_serving)
+) -> dict[str, str]:
+    serving.check_model(req.model)
+    vocab = serving.processor.vocab_size
+    if vocab is not None and any(not 0 <= t < vocab for t in req.tokens):
+        raise ApiError(400, f"Token ids must be integers in [0, {vocab}).", param="tokens")
+    text = await asyncio.to_thread(serving.tokenizer.decode, req.tokens, False)
+    return {"prompt": text}
+
+
+@router.get("/v1/models")
+async def models(raw: Request, serving: Serving = Depends(get_serving)) -> dict[str, Any]:
+    return {
+        "object": "list",
+        "data": [{
+            "id": serving.model_name, "object": "model", "created": 0,
+            "owned_by": "chunkserve", "root": raw.app.state.model,
+            "max_model_len": serving.max_model_len,
+        }],
+    }
 
 
 def begin_shutdown(app: FastAPI, abort_after_s: float) -> None:

@@ -8,15 +8,16 @@ the command queue when there is nothing to run, so an idle server burns no CPU.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from chunkserve.engine.llm_engine import LLMEngine
+from chunkserve.engine.llm_engine import LLMEngine, StepError
+from chunkserve.engine.processor import EngineRequest
 from chunkserve.outputs import RequestOutput
-from chunkserve.sampling_params import SamplingParams
 from chunkserve.serve.metrics import ServerMetrics
 
 log = logging.getLogger("chunkserve.engine")
@@ -60,10 +61,7 @@ class Ticket:
 
 @dataclass
 class _Add:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    priority: int
+    request: EngineRequest
     sink: asyncio.Queue[RequestOutput | BaseException]
 
 
@@ -77,13 +75,18 @@ class _FailAll:
     reason: str
 
 
+@dataclass
+class _ResetPrefixCache:
+    # Answered from the engine thread: the cache may only change between steps.
+    done: concurrent.futures.Future[int]
+
+
 _STOP = object()
 
 
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, metrics: ServerMetrics | None = None) -> None:
         self.engine = engine
-        engine.trace.keep_last(1)  # only the newest step feeds the metrics (--trace-file has all)
         self.metrics = metrics
         self._commands: queue.Queue[object] = queue.Queue()
         self._sinks: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
@@ -149,18 +152,14 @@ class AsyncEngine:
 
     # ---- the HTTP side ----------------------------------------------------------------------
     async def generate(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        priority: int = 0,
-        ticket: Ticket | None = None,
+        self, request: EngineRequest, ticket: Ticket | None = None
     ) -> AsyncIterator[RequestOutput]:
         """Yields the request's outputs until it finishes; aborts it if the caller goes away.
 
-        `params` must already be validated (LLMEngine.prepare_params): the engine thread can
+        `request` comes from the engine's Processor, already validated: the engine thread can
         then only refuse a duplicate id. `ticket` holds the queue place admission reserved.
         """
+        request_id = request.request_id
         if ticket is not None:
             ticket.take()
         if self._closing:
@@ -170,7 +169,7 @@ class AsyncEngine:
         sink: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._sinks[request_id] = sink
         self._num_sent += 1
-        self._commands.put(_Add(request_id, prompt_token_ids, params, priority, sink))
+        self._commands.put(_Add(request, sink))
         finished = False
         try:
             while not finished:
@@ -184,6 +183,12 @@ class AsyncEngine:
             self._sinks.pop(request_id, None)
             if not finished:  # cancelled, disconnected or the consumer stopped early
                 self._commands.put(_Abort(request_id))
+
+    async def reset_prefix_cache(self) -> int:
+        """Forgets every cached prefix (POST /reset_prefix_cache), between two steps."""
+        done: concurrent.futures.Future[int] = concurrent.futures.Future()
+        self._commands.put(_ResetPrefixCache(done))
+        return await asyncio.wrap_future(done)
 
     # ---- the engine thread ------------------------------------------------------------------
     def _run(self) -> None:
@@ -221,44 +226,46 @@ class AsyncEngine:
     def _apply(self, cmd: object) -> None:
         if isinstance(cmd, _Add):
             self._num_applied += 1
-            if cmd.request_id not in self._sinks:  # aborted before it reached the engine
+            rid = cmd.request.request_id
+            if rid not in self._sinks:  # aborted before it reached the engine
                 return
             if self._refusal is not None:  # sent just before fail_all
-                self._deliver(cmd.request_id, ShuttingDownError(self._refusal))
+                self._deliver(rid, ShuttingDownError(self._refusal))
                 return
             try:
-                self.engine.add_request(
-                    cmd.request_id, cmd.prompt_token_ids, cmd.params, priority=cmd.priority
-                )
-                self._num_tokens[cmd.request_id] = 0
+                self.engine.add_engine_request(cmd.request)
+                self._num_tokens[rid] = 0
             except ValueError as e:
-                self._deliver(cmd.request_id, e)
+                self._deliver(rid, e)
         elif isinstance(cmd, _Abort):
             if cmd.request_id in self._num_tokens:
                 self.engine.abort_request(cmd.request_id)
                 self._num_tokens.pop(cmd.request_id, None)
                 if self.metrics is not None:
                     self.metrics.observe_aborted()
+        elif isinstance(cmd, _ResetPrefixCache):
+            cmd.done.set_result(self.engine.reset_prefix_cache())
         elif isinstance(cmd, _FailAll):
             self._refusal = cmd.reason
             self._fail_all(lambda: ShuttingDownError(cmd.reason))
 
     def _step(self) -> None:
         try:
-            outputs = self.engine.step()
-        except Exception as e:
+            result = self.engine.step()
+        except StepError as e:
             # Contain a failure to the requests of the failed step: fail and drop them, keep
             # serving the rest. (The scheduler already counted their tokens as computed.)
             log.exception("engine step failed")
-            failed = [s.request.request_id for s in self.engine.last_scheduled]
-            self.engine.abort_request(failed)
-            for rid in failed:
+            self.engine.abort_request(e.request_ids)
+            cause = e.__cause__ or e
+            for rid in e.request_ids:
                 self._num_tokens.pop(rid, None)
-                self._deliver(rid, RequestFailedError(f"internal error while generating: {e!r}"))
+                self._deliver(rid, RequestFailedError(
+                    f"internal error while generating: {cause!r}"))
             return
-        if self.metrics is not None and self.engine.trace.records:
-            self.metrics.observe_step(self.engine.trace.records[-1])
-        for out in outputs:
+        if self.metrics is not None:
+            self.metrics.observe_step(result.record)
+        for out in result.outputs:
             n = len(out.outputs[0].token_ids)
             new = n - self._num_tokens.get(out.request_id, 0)
             self._num_tokens[out.request_id] = n
@@ -274,13 +281,11 @@ class AsyncEngine:
             self._loop.call_soon_threadsafe(sink.put_nowait, item)
 
     def _publish_state(self) -> None:
-        sched = self.engine.scheduler
-        self._published = (self._num_applied, len(sched.waiting))
+        stats = self.engine.stats()
+        self._published = (self._num_applied, stats.num_waiting)
         if self.metrics is not None:
-            stats = sched.kv.stats()
-            self.metrics.set_state(
-                len(sched.running), len(sched.waiting), stats.usage, stats.internal_fragmentation
-            )
+            self.metrics.set_state(stats.num_running, stats.num_waiting, stats.kv_usage,
+                                   stats.kv_internal_fragmentation)
 
     def _fail_all(self, make_error: Callable[[], BaseException]) -> None:
         """Aborts every request the engine holds; each consumer gets an error of its own."""

@@ -77,7 +77,7 @@ def run_server(args: argparse.Namespace) -> int:
     if not args.shutdown_timeout >= 0:
         raise ValueError("--shutdown-timeout must be non-negative")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    engine = LLMEngine(config_from_args(args))
+    engine = LLMEngine.from_config(config_from_args(args))
     engine.commit_kv_memory()  # RSS is flat from the start, not creeping up to it while serving
     name = args.served_model_name or args.model
     app = build_app(engine, name, args.api_key, args.max_waiting_requests)

@@ -99,6 +99,11 @@ class ServerMetrics:
         self._preemptions = counter("vllm:num_preemptions", "Cumulative preemptions.").labels(m)
         self._prompt_tokens = counter("vllm:prompt_tokens", "Prefilled prompt tokens.").labels(m)
         self._generation_tokens = counter("vllm:generation_tokens", "Generated tokens.").labels(m)
+        # Token counts, vLLM's names: hits / queries is the prefix cache's hit rate.
+        self._prefix_queries = counter(
+            "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.").labels(m)
+        self._prefix_hits = counter(
+            "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.").labels(m)
         self._success_family = Counter(
             "vllm:request_success", "Finished requests by finish reason.",
             ["model_name", "finished_reason"], registry=reg,
@@ -169,6 +174,9 @@ class ServerMetrics:
         self._step_decode_tokens.observe(record.num_decode_tokens)
         if record.num_preemptions:
             self._preemptions.inc(record.num_preemptions)
+        if record.prefix_cache_queries:
+            self._prefix_queries.inc(record.prefix_cache_queries)
+            self._prefix_hits.inc(record.prefix_cache_hits)
 
     def observe_output(self, out: RequestOutput, num_new_tokens: int) -> None:
         """Account one emitted RequestOutput; `num_new_tokens` were added since its last one.

@@ -7,16 +7,18 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from chunkserve.engine.processor import EngineRequest
 from chunkserve.outputs import RequestOutput
 from chunkserve.serve import protocol as P
 from chunkserve.serve.async_engine import Ticket
 from chunkserve.serve.responses import SSEResponse, until_disconnect
-from chunkserve.serve.serving import ApiError, PreparedPrompt, Serving
+from chunkserve.serve.serving import ApiError, Serving, get_serving
 
 log = logging.getLogger("chunkserve.server")
+router = APIRouter()
 
 
 def sse(payload: dict[str, Any]) -> str:
@@ -41,72 +43,77 @@ class _Choices:
         return sum(len(o.outputs[0].token_ids) for o in self.finals.values())
 
 
-def register_openai_routes(app: FastAPI, serving: Serving) -> None:
-    def render_token(token_id: int) -> str | None:
-        return serving.tokenizer.decode([token_id], skip_special_tokens=False)
+def _check(req: P.CompletionRequest | P.ChatCompletionRequest, serving: Serving) -> None:
+    """404 for another model; unknown fields are accepted, as vLLM does, with a warning."""
+    serving.check_model(req.model)
+    unknown = req.unknown_fields()
+    if unknown:
+        log.warning("ignoring unknown request fields: %s", ", ".join(unknown))
 
-    def warn_unknown(req: P.CompletionRequest | P.ChatCompletionRequest) -> None:
-        unknown = req.unknown_fields()
-        if unknown:
-            log.warning("ignoring unknown request fields: %s", ", ".join(unknown))
 
-    @app.post("/v1/completions", response_model=None)
-    async def completions(req: P.CompletionRequest, raw: Request) -> Response:
-        serving.check_model(req.model)
-        warn_unknown(req)
-        if req.echo and req.logprobs is not None:
-            raise ApiError(400, "echo together with logprobs (prompt logprobs) is not supported.",
-                           param="echo")
-        serving.check_size(len(req.prompts()), req.n)
-        prompts = await serving.prepare(req.prompts(), req.to_sampling_params)
-        echoes = [_echo_text(p, serving) if req.echo else "" for p in prompts]
-        ticket = serving.admit(len(prompts) * req.n)
-        rid, created = P.completion_id(), int(time.time())
-        stream = serving.generate(rid, prompts, req.n, req.priority, ticket)
-        if req.stream:
-            return _sse(_completion_events(
-                req, rid, created, prompts, stream, serving, render_token, echoes), ticket)
-        result = await _collect_unless_disconnected(raw, stream, ticket)
-        if result is None:
-            return Response(status_code=499)  # the client is gone; nobody reads this
-        choices = [
-            P.completion_choice(
-                i, echoes[i // req.n] + out.outputs[0].text, out.outputs[0].finish_reason,
-                _completion_logprobs(out.outputs[0].logprobs, render_token),
-            )
-            for i, out in sorted(result.items())
-        ]
-        usage = P.usage(_prompt_tokens(prompts), sum(len(o.outputs[0].token_ids) for o in result.values()))
-        return JSONResponse(P.completion_response(rid, serving.model_name, choices, usage, created))
+@router.post("/v1/completions", response_model=None)
+async def completions(
+    req: P.CompletionRequest, raw: Request, serving: Serving = Depends(get_serving)
+) -> Response:
+    _check(req, serving)
+    if req.echo and req.logprobs is not None:
+        raise ApiError(400, "echo together with logprobs (prompt logprobs) is not supported.",
+                       param="echo")
+    serving.check_size(len(req.prompts()), req.n)
+    prompts = await serving.prepare(req.prompts(), req.to_sampling_params, req.priority)
+    echoes = [_echo_text(p, serving) if req.echo else "" for p in prompts]
+    ticket = serving.admit(len(prompts) * req.n)
+    rid, created = P.completion_id(), int(time.time())
+    stream = serving.generate(rid, prompts, req.n, ticket)
+    render_token = serving.render_token
+    if req.stream:
+        return _sse(_completion_events(
+            req, rid, created, prompts, stream, serving, render_token, echoes), ticket)
+    result = await _collect_unless_disconnected(raw, stream, ticket)
+    if result is None:
+        return Response(status_code=499)  # the client is gone; nobody reads this
+    choices = [
+        P.completion_choice(
+            i, echoes[i // req.n] + out.outputs[0].text, out.outputs[0].finish_reason,
+            _completion_logprobs(out.outputs[0].logprobs, render_token),
+        )
+        for i, out in sorted(result.items())
+    ]
+    usage = P.usage(_prompt_tokens(prompts), sum(len(o.outputs[0].token_ids) for o in result.values()),
+                    _cached_tokens(result, req.n))
+    return JSONResponse(P.completion_response(rid, serving.model_name, choices, usage, created))
 
-    @app.post("/v1/chat/completions", response_model=None)
-    async def chat(req: P.ChatCompletionRequest, raw: Request) -> Response:
-        serving.check_model(req.model)
-        warn_unknown(req)
-        serving.check_size(1, req.n)
-        text = await serving.render_chat(req.message_dicts(), req.add_generation_prompt)
-        ids = await serving.tokenize_prompt(text, add_special_tokens=False)
-        prompts = await serving.prepare([ids], req.to_sampling_params)
-        prompts[0].prompt = text
-        ticket = serving.admit(req.n)
-        rid, created = P.chat_completion_id(), int(time.time())
-        stream = serving.generate(rid, prompts, req.n, req.priority, ticket)
-        if req.stream:
-            return _sse(_chat_events(req, rid, created, prompts, stream, serving, render_token),
-                        ticket)
-        result = await _collect_unless_disconnected(raw, stream, ticket)
-        if result is None:
-            return Response(status_code=499)
-        choices = [
-            P.chat_choice(
-                i, out.outputs[0].text, out.outputs[0].finish_reason,
-                None if out.outputs[0].logprobs is None
-                else P.chat_logprobs(out.outputs[0].logprobs, render_token),
-            )
-            for i, out in sorted(result.items())
-        ]
-        usage = P.usage(_prompt_tokens(prompts), sum(len(o.outputs[0].token_ids) for o in result.values()))
-        return JSONResponse(P.chat_response(rid, serving.model_name, choices, usage, created))
+
+@router.post("/v1/chat/completions", response_model=None)
+async def chat(
+    req: P.ChatCompletionRequest, raw: Request, serving: Serving = Depends(get_serving)
+) -> Response:
+    _check(req, serving)
+    serving.check_size(1, req.n)
+    text = await serving.render_chat(req.message_dicts(), req.add_generation_prompt)
+    prompts = await serving.prepare([text], req.to_sampling_params, req.priority,
+                                    add_special_tokens=False)
+    ticket = serving.admit(req.n)
+    rid, created = P.chat_completion_id(), int(time.time())
+    stream = serving.generate(rid, prompts, req.n, ticket)
+    render_token = serving.render_token
+    if req.stream:
+        return _sse(_chat_events(req, rid, created, prompts, stream, serving, render_token),
+                    ticket)
+    result = await _collect_unless_disconnected(raw, stream, ticket)
+    if result is None:
+        return Response(status_code=499)
+    choices = [
+        P.chat_choice(
+            i, out.outputs[0].text, out.outputs[0].finish_reason,
+            None if out.outputs[0].logprobs is None
+            else P.chat_logprobs(out.outputs[0].logprobs, render_token),
+        )
+        for i, out in sorted(result.items())
+    ]
+    usage = P.usage(_prompt_tokens(prompts), sum(len(o.outputs[0].token_ids) for o in result.values()),
+                    _cached_tokens(result, req.n))
+    return JSONResponse(P.chat_response(rid, serving.model_name, choices, usage, created))
 
 
 async def _collect(stream: AsyncIterator[tuple[int, RequestOutput]]) -> dict[int, RequestOutput]:
@@ -127,8 +134,14 @@ async def _collect_unless_disconnected(
         ticket.release()  # places never used: the client left before they were sent
 
 
-def _prompt_tokens(prompts: list[PreparedPrompt]) -> int:
-    return sum(len(p.token_ids) for p in prompts)
+def _prompt_tokens(prompts: list[EngineRequest]) -> int:
+    return sum(len(p.prompt_token_ids) for p in prompts)
+
+
+def _cached_tokens(finals: dict[int, RequestOutput], n: int) -> int:
+    """Prompt tokens served from the prefix cache, counted once per prompt like prompt_tokens
+    (choice i*n is the first sample of prompt i; its n samples share one prompt)."""
+    return sum(out.num_cached_tokens for index, out in finals.items() if index % n == 0)
 
 
 def _completion_logprobs(logprobs: list[Any] | None, render: Any,
@@ -158,10 +171,10 @@ async def _guarded(events: AsyncIterator[str]) -> AsyncIterator[str]:
     yield "data: [DONE]\n\n"
 
 
-def _echo_text(prompt: PreparedPrompt, serving: Serving) -> str:
+def _echo_text(prompt: EngineRequest, serving: Serving) -> str:
     if prompt.prompt is not None:
         return prompt.prompt
-    return serving.tokenizer.decode(prompt.token_ids, skip_special_tokens=False)
+    return serving.tokenizer.decode(prompt.prompt_token_ids, skip_special_tokens=False)
 
 
 def _completion_events(req, rid, created, prompts, stream, serving, render, echoes):  # type: ignore[no-untyped-def]
@@ -186,7 +199,8 @@ def _completion_events(req, rid, created, prompts, stream, serving, render, echo
                 rid, model, index, c.delta_text, c.finish_reason, lp, created,
             ))
         if req.include_usage:
-            usage = P.usage(_prompt_tokens(prompts), seen.completion_tokens())
+            usage = P.usage(_prompt_tokens(prompts), seen.completion_tokens(),
+                            _cached_tokens(seen.finals, req.n))
             yield sse(P.usage_chunk(rid, model, "text_completion", usage, created))
 
     return _guarded(events())
@@ -211,7 +225,8 @@ def _chat_events(req, rid, created, prompts, stream, serving, render):  # type: 
                 None if logprobs is None else P.chat_logprobs(logprobs, render), created,
             ))
         if req.include_usage:
-            usage = P.usage(_prompt_tokens(prompts), seen.completion_tokens())
+            usage = P.usage(_prompt_tokens(prompts), seen.completion_tokens(),
+                            _cached_tokens(seen.finals, req.n))
             yield sse(P.usage_chunk(rid, model, "chat.completion.chunk", usage, created))
 
     return _guarded(events())

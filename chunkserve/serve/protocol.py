@@ -228,7 +228,7 @@ class CompletionRequest(_SamplingRequest):
             return [list(p)]  # type: ignore[arg-type]
         return list(p)  # type: ignore[arg-type]
 
-    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
+    def to_sampling_params(self, default_max_tokens: int | None) -> SamplingParams:
         max_tokens = default_max_tokens if self.max_tokens is None else self.max_tokens
         return self._sampling_params(max_tokens, self.logprobs)
 
@@ -252,8 +252,8 @@ class ChatCompletionRequest(_SamplingRequest):
         """Messages with string content, ready for a jinja chat template."""
         return [m.as_dict() for m in self.messages]
 
-    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
-        """`default_max_tokens` is what is left of the context (max_model_len - prompt)."""
+    def to_sampling_params(self, default_max_tokens: int | None) -> SamplingParams:
+        """`default_max_tokens` None: what is left of the context (the Processor fills it in)."""
         max_tokens = self.max_completion_tokens
         if max_tokens is None:
             max_tokens = self.max_tokens
@@ -364,9 +364,13 @@ def _now(created: int | None) -> int:
     return int(time.time()) if created is None else created
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int,
+          cached_tokens: int | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                           "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens is not None:  # OpenAI's field: prompt tokens served from the prefix cache
+        out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return out
 
 
 def completion_choice(index: int, text: str, finish_reason: str | None,
@@ -375,7 +379,7 @@ def completion_choice(index: int, text: str, finish_reason: str | None,
 
 
 def completion_response(id: str, model: str, choices: list[dict[str, Any]],
-                        usage: dict[str, int], created: int | None = None) -> dict[str, Any]:
+                        usage: dict[str, Any], created: int | None = None) -> dict[str, Any]:
     return {"id": id, "object": "text_completion", "created": _now(created), "model": model,
             "choices": choices, "usage": usage}
 
@@ -394,7 +398,7 @@ def chat_choice(index: int, content: str, finish_reason: str | None,
             "logprobs": logprobs, "finish_reason": finish_reason}
 
 
-def chat_response(id: str, model: str, choices: list[dict[str, Any]], usage: dict[str, int],
+def chat_response(id: str, model: str, choices: list[dict[str, Any]], usage: dict[str, Any],
                   created: int | None = None) -> dict[str, Any]:
     return {"id": id, "object": "chat.completion", "created": _now(created), "model": model,
             "choices": choices, "usage": usage}
@@ -413,7 +417,7 @@ def chat_chunk(id: str, model: str, index: int, delta: dict[str, Any], finish_re
             "choices": [choice]}
 
 
-def usage_chunk(id: str, model: str, object: str, usage: dict[str, int],
+def usage_chunk(id: str, model: str, object: str, usage: dict[str, Any],
                 created: int | None = None) -> dict[str, Any]:
     """The final stream event when stream_options.include_usage is set."""
     return {"id": id, "object": object, "created": _now(created), "model": model,

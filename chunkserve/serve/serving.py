@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, fields, replace
+from dataclasses import fields, replace
 from typing import Any
 
 import jinja2
+from fastapi import Request
 
-from chunkserve.engine.llm_engine import LLMEngine
+from chunkserve.engine.processor import EngineRequest, Processor
 from chunkserve.model.tokenizer import Tokenizer
 from chunkserve.outputs import RequestOutput
 from chunkserve.sampling_params import INT64_MIN, SamplingParams
@@ -39,17 +39,6 @@ class ApiError(Exception):
         self.headers = headers
 
 
-@dataclass
-class PreparedPrompt:
-    prompt: str | None
-    token_ids: list[int]
-    params: SamplingParams
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
 class Serving:
     def __init__(
         self,
@@ -58,12 +47,16 @@ class Serving:
         max_waiting_requests: int | None = None,
     ) -> None:
         self.async_engine = async_engine
-        self.engine: LLMEngine = async_engine.engine
-        self.tokenizer: Tokenizer = self.engine.tokenizer
+        # Read-only from the HTTP threads: validation never waits for the engine loop.
+        self.processor: Processor = async_engine.engine.processor
+        self.tokenizer: Tokenizer = self.processor.tokenizer  # type: ignore[assignment]
         self.model_name = model_name
-        self.max_model_len = self.engine.max_model_len
+        self.max_model_len = self.processor.max_model_len
         self.max_waiting_requests = max_waiting_requests
         self.token_bound = TokenCountBound(self.tokenizer)
+
+    def render_token(self, token_id: int) -> str | None:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -103,23 +96,23 @@ class Serving:
     async def prepare(
         self,
         prompts: list[str | list[int]],
-        make_params: Callable[[int], SamplingParams],
+        make_params: Callable[[int | None], SamplingParams],
+        priority: int = 0,
         add_special_tokens: bool = True,
-    ) -> list[PreparedPrompt]:
-        """Tokenizes and validates every prompt; `make_params(default_max_tokens)`."""
+    ) -> list[EngineRequest]:
+        """Tokenizes every prompt and runs it through the engine's Processor (a 400 when it
+        refuses). `make_params(default_max_tokens)` gets None: the Processor fills in what is
+        left of the context. The request ids are set per sub-request by generate()."""
         prepared = []
         for prompt in prompts:
-            if isinstance(prompt, str):
-                ids = await self.tokenize_prompt(prompt, add_special_tokens)
-                text: str | None = prompt
-            else:
-                ids, text = list(prompt), None
+            ids = (await self.tokenize_prompt(prompt, add_special_tokens)
+                   if isinstance(prompt, str) else list(prompt))
             try:
-                params = make_params(max(self.max_model_len - len(ids), 1))
-                params = self.engine.prepare_params(ids, params)
+                request = self.processor.process_inputs("", ids, make_params(None),
+                                                        priority=priority)
             except ValueError as e:
                 raise ApiError(400, str(e), param=_param_named_in(str(e))) from e
-            prepared.append(PreparedPrompt(text, ids, params))
+            prepared.append(replace(request, prompt=prompt if isinstance(prompt, str) else None))
         return prepared
 
     def check_size(self, num_prompts: int, n: int) -> None:
@@ -160,8 +153,7 @@ class Serving:
         return self.async_engine.reserve(num_new)
 
     async def generate(
-        self, base_id: str, prompts: list[PreparedPrompt], n: int, priority: int,
-        ticket: Ticket | None = None,
+        self, base_id: str, prompts: list[EngineRequest], n: int, ticket: Ticket | None = None,
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Runs n samples of every prompt; yields (choice index, output) as they come.
 
@@ -171,11 +163,9 @@ class Serving:
         """
         merged: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = asyncio.Queue()
 
-        async def pump(index: int, prompt: PreparedPrompt, params: SamplingParams) -> None:
+        async def pump(index: int, request: EngineRequest) -> None:
             try:
-                async for out in self.async_engine.generate(
-                    f"{base_id}-{index}", prompt.token_ids, params, priority, ticket
-                ):
+                async for out in self.async_engine.generate(request, ticket):
                     merged.put_nowait((index, out))
             except asyncio.CancelledError:
                 raise
@@ -187,12 +177,13 @@ class Serving:
         tasks = []
         for p_index, prompt in enumerate(prompts):
             for j in range(n):
-                params = prompt.params
+                params = prompt.sampling_params
                 if j and params.seed is not None:
                     # n samples of one seeded request must differ but stay reproducible.
                     params = _reseed(params, params.seed + j)
                 index = p_index * n + j
-                tasks.append(asyncio.create_task(pump(index, prompt, params)))
+                request = replace(prompt, request_id=f"{base_id}-{index}", sampling_params=params)
+                tasks.append(asyncio.create_task(pump(index, request)))
         remaining = len(tasks)
         try:
             while remaining:
@@ -213,6 +204,13 @@ class Serving:
             for task in tasks:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+
+
+def get_serving(request: Request) -> Serving:
+    """The app's Serving, for the routers' `Depends`: routes live in modules of their own and
+    reach the server's state through the request, not through an import of the app."""
+    serving: Serving = request.app.state.serving
+    return serving
 
 
 _SAMPLING_FIELDS = frozenset(f.name for f in fields(SamplingParams) if f.init)

@@ -27,23 +27,21 @@ import gzip
 import json
 import os
 import statistics
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from chunkserve.bench.metrics import RequestResult
-from chunkserve.bench.sweep import (
+from chunkserve.benchlib.args import length_requests
+from chunkserve.benchlib.metrics import RequestResult, parse_goodput, parse_percentiles
+from chunkserve.benchlib.sweep import (
     RunResult,
     SweepPoint,
-    parse_chunk_sizes,
-    run_point,
+    chunk_size_from_json,
     summarize,
-    sweep_points,
 )
-from chunkserve.bench.sweep_cli import check_fits, parse_goodput, workload_from_args
-from chunkserve.bench.workloads import arrival_times
-from chunkserve.sim.calibrate import Sample, fit_linear, last_step, load_profile
 from chunkserve.sim.cost_model import CostModel, LinearCostModel, StepShape, step_time
-from chunkserve.sim.simulator import SimConfig, length_requests, simulate
+from chunkserve.sim.fit import Sample, fit_linear, load_profile
+from chunkserve.sim.simulator import SimConfig, simulate
 
 COMPARED = ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "p99_e2el_ms",
             "output_throughput")
@@ -114,7 +112,7 @@ class RealRun:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "chunk_size": self.point.chunk_size, "scheduler": self.point.scheduler,
+            "chunk_size": self.point.label, "scheduler": self.point.scheduler,
             "seed": self.seed, "prompt_lens": self.prompt_lens, "output_lens": self.output_lens,
             "arrivals": self.arrivals, "duration": self.duration,
             "results": [{k: v for k, v in asdict(r).items() if k != "generated_text"}
@@ -127,7 +125,8 @@ class RealRun:
     def from_json(cls, d: dict[str, Any]) -> RealRun:
         steps = [(StepShape([tuple(p) for p in pre], list(dec), sampled), dur)
                  for dur, pre, dec, sampled in d["steps"]]
-        return cls(SweepPoint(d["chunk_size"], d["scheduler"]), d["seed"], d["prompt_lens"],
+        return cls(SweepPoint(chunk_size_from_json(d["chunk_size"]), d["scheduler"]), d["seed"],
+                   d["prompt_lens"],
                    d["output_lens"], d["arrivals"], [RequestResult(**r) for r in d["results"]],
                    d["duration"], steps)
 
@@ -164,35 +163,10 @@ def load_all_runs(paths: list[str]) -> tuple[list[RealRun], dict[str, Any]]:
     return runs, meta
 
 
-def measure_real_runs(args: argparse.Namespace, loaded: Any) -> list[RealRun]:
-    """Replays the workloads of seeds seed..seed+repeats-1 through the real engine, every
-    configuration within a repeat before the next repeat (a slow spell of the machine then
-    hits all configurations alike)."""
-    engine_kwargs: dict[str, Any] = dict(block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-                                         num_kv_blocks=args.num_kv_blocks)
-    points = sweep_points(parse_chunk_sizes(args.chunk_sizes), args.scheduler, args.baseline)
-    runs: list[RealRun] = []
-    for rep in range(args.repeats):
-        seed = args.seed + rep
-        requests = workload_from_args(argparse.Namespace(**{**vars(args), "seed": seed}),
-                                      loaded.tokenizer)
-        check_fits(requests, loaded.max_model_len)
-        arrivals = arrival_times(len(requests), args.request_rate, args.burstiness, seed)
-        for point in points:
-            steps: list[tuple[StepShape, float]] = []
-
-            def on_step(engine: Any, steps: list[tuple[StepShape, float]] = steps) -> None:
-                step = last_step(engine)
-                if step is not None:
-                    steps.append(step)
-
-            real = run_point(loaded, point, requests, arrivals, engine_kwargs, on_step=on_step)
-            runs.append(RealRun(point, seed, [r.prompt_len for r in requests],
-                                [r.output_len for r in requests], list(arrivals),
-                                real.results, real.duration, steps))
-            print(f"repeat {rep + 1}/{args.repeats} chunk_size={point.chunk_size!s:>5}: "
-                  f"{len(requests)} requests in {real.duration:.1f} s", flush=True)
-    return runs
+# Runs the real engine for --validate: (runs, the engine configuration they share). It lives
+# with the benchmarks (bench/validation_runs.py) and is handed in by the command line, so the
+# simulator never loads a model.
+MeasureRealRuns = Callable[[argparse.Namespace, dict[str, Any]], tuple[list["RealRun"], dict[str, Any]]]
 
 
 # ---- which cost model prices each run ----------------------------------------------------------
@@ -223,7 +197,7 @@ def held_out_model(runs: list[RealRun], point: SweepPoint) -> LinearCostModel:
     """The linear cost model fitted on every real step of the configurations other than
     `point`: out of sample for `point` by construction."""
     samples = [Sample("workload", s, d) for r in runs if r.point != point for s, d in r.steps]
-    return LinearCostModel(fit_linear(samples), f"held out {point.chunk_size}")
+    return LinearCostModel(fit_linear(samples), f"held out {point.label}")
 
 
 def configurations(runs: list[RealRun]) -> list[SweepPoint]:
@@ -260,7 +234,7 @@ def score(runs: list[RealRun], costs: list[CostModel], config: SimConfig,
         sims = [runs[i].simulate(config, costs[i]) for i in mine]
         sim = summarize(pool(sims), percentiles, goodput)
         rows.append({
-            "chunk_size": point.chunk_size, "scheduler": point.scheduler,
+            "chunk_size": point.label, "scheduler": point.scheduler,
             "repeats": len(mine), "num_requests": sum(len(runs[i].results) for i in mine),
             "real": {k: real[k] for k in COMPARED}, "sim": {k: sim[k] for k in COMPARED},
             "relative_error": relative_errors(real, sim),
@@ -279,16 +253,19 @@ def validate(runs: list[RealRun], profile: CostModel, config: SimConfig,
     return {
         "calibrations": {c: score(runs, run_costs(runs, c, profile), config, percentiles,
                                   goodput) for c in calibrations},
-        "runs": [{"seed": r.seed, "chunk_size": r.point.chunk_size,
+        "runs": [{"seed": r.seed, "chunk_size": r.point.label,
                   "duration": r.duration, "num_steps": len(r.steps),
                   "speed_vs_profile": speed_factor(profile, r.steps)} for r in runs],
     }
 
 
-def run_validation(args: argparse.Namespace) -> int:
+def run_validation(args: argparse.Namespace, measure_real_runs: MeasureRealRuns | None) -> int:
     if not os.path.isfile(args.hardware):
         raise ValueError("--validate compares against this machine: --hardware must be a "
                          "profile file written here by `chunkserve profile`")
+    if args.chunk_policy != "static":
+        raise ValueError("--validate scores static chunk sizes; run it without --chunk-policy "
+                         "adaptive (its saved real runs are static)")
     prof = load_profile(args.hardware)
     cost = LinearCostModel(prof["coefficients"], prof["name"])
     if args.real_runs:
@@ -298,18 +275,14 @@ def run_validation(args: argparse.Namespace) -> int:
             raise ValueError("--validate needs an explicit --request-rate (the same for both runs)")
         if args.repeats < 1:
             raise ValueError(f"--repeats must be at least 1, got {args.repeats}")
-        from chunkserve.model.factory import load_model
-
-        loaded = load_model(prof["model"], prof["dtype"], args.max_model_len)
-        runs = measure_real_runs(args, loaded)
-        meta = {"model": prof["model"], "max_model_len": loaded.max_model_len,
-                "num_kv_blocks": args.num_kv_blocks or prof["num_kv_blocks"],
-                "block_size": args.block_size, "max_num_seqs": args.max_num_seqs}
+        if measure_real_runs is None:
+            raise ValueError("--validate without --real-runs needs the real engine")
+        runs, meta = measure_real_runs(args, prof)
         os.makedirs(args.out, exist_ok=True)
         save_runs(os.path.join(args.out, RUNS_FILE), runs, meta)
     config = SimConfig(meta["max_model_len"], meta["num_kv_blocks"], meta["block_size"],
                        meta["max_num_seqs"])
-    percentiles = [float(p) for p in args.percentiles.split(",")]
+    percentiles = parse_percentiles(args.percentiles)
     report = validate(runs, cost, config, percentiles, parse_goodput(args.goodput))
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "validation.json"), "w") as f:

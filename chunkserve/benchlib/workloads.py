@@ -12,7 +12,7 @@ from typing import Protocol
 
 import numpy as np
 
-DATASET_NAMES = ("random", "mixed", "sharegpt-like", "file")
+DATASET_NAMES = ("random", "mixed", "sharegpt-like", "shared-prefix", "file")
 
 # ShareGPT-like lengths (no download): log-normal fits of ShareGPT V3 as vLLM filters it (prompts
 # and outputs of 4..1024 tokens, prompt + output <= 2048). Medians/sigmas give means near the
@@ -210,6 +210,9 @@ def sample_requests(dataset_name: str, tokenizer: BenchTokenizer, num_prompts: i
             raise ValueError("the 'file' dataset needs --dataset-path (JSONL: prompt, output_len)")
         rng = np.random.default_rng(seed)
         return _from_file(dataset_path, tokenizer, rng, num_prompts, random_output_len)
+    if dataset_name == "shared-prefix":
+        # Its own module (it builds on this one), with its own flags: see benchlib.args.
+        raise ValueError("the shared-prefix dataset is built by shared_prefix_requests")
     if dataset_name not in DATASET_NAMES:
         raise ValueError(f"unknown dataset {dataset_name!r}; expected one of "
                          f"{', '.join(DATASET_NAMES)}")

@@ -37,6 +37,35 @@ class RequestResult:
     error: str = ""
 
 
+def parse_percentiles(text: str) -> list[float]:
+    """--percentiles / --metric-percentiles: "50,90,99" -> [50.0, 90.0, 99.0]."""
+    try:
+        values = [float(p) for p in text.split(",") if p.strip()]
+    except ValueError:
+        raise ValueError(f"percentiles must be comma-separated numbers, got {text!r}") from None
+    if not values or not all(0 <= p <= 100 for p in values):
+        raise ValueError(f"percentiles must be numbers in [0, 100], got {text!r}")
+    return values
+
+
+def parse_goodput(pairs: list[str] | None) -> dict[str, float] | None:
+    """--goodput KEY:MS ... -> {key: ms}; None when no SLO is given (goodput is then null)."""
+    if not pairs:
+        return None
+    slos: dict[str, float] = {}
+    for pair in pairs:
+        name, _, value = pair.partition(":")
+        if name not in GOODPUT_METRICS:
+            raise ValueError(f"--goodput key must be ttft, tpot or e2el, got {pair!r}")
+        try:
+            slos[name] = float(value)
+        except ValueError:
+            raise ValueError(f"--goodput expects KEY:MS pairs, got {pair!r}") from None
+        if not slos[name] >= 0:
+            raise ValueError(f"--goodput value must be non-negative, got {pair!r}")
+    return slos
+
+
 def percentile_label(p: float) -> str:
     """vLLM's spelling of a percentile in keys and rows: 99 -> "99", 99.9 -> "99.9"."""
     return str(int(p)) if int(p) == p else str(p)

@@ -1,4 +1,5 @@
-"""`chunkserve profile`: time real engine steps of known shapes, fit the linear cost model.
+"""`chunkserve profile`: time real engine steps of known shapes, fit the simulator's linear
+cost model (sim/fit.py) to them.
 
 Every sample is a whole `engine.step()` as the step trace records it (scheduling, model,
 sampling, detokenization), so the fitted model predicts the same durations the benchmarks
@@ -9,68 +10,24 @@ are sparse. The fit error is reported per family, so the grid's is nearly out-of
 """
 from __future__ import annotations
 
-import json
+import argparse
 import platform
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
+from chunkserve.bench.sweep import run_point
+from chunkserve.benchlib.sweep import SweepPoint
+from chunkserve.benchlib.workloads import arrival_times, sample_requests
+from chunkserve.config import DEFAULT_KV_CACHE_GIB, DTYPES
+from chunkserve.engine.llm_engine import LLMEngine, StepResult
+from chunkserve.sampling_params import SamplingParams
+from chunkserve.sim.cost_model import StepShape
+from chunkserve.sim.fit import Sample, fit_errors, fit_linear, write_profile
 
-from chunkserve.sim.cost_model import LINEAR_FEATURES, StepShape, linear_features
-
-
-@dataclass
-class Sample:
-    family: str
-    shape: StepShape
-    duration: float  # seconds
-
-
-def fit_linear(samples: Sequence[Sample],
-               family_weights: dict[str, float] | None = None) -> dict[str, float]:
-    """Non-negative least squares on relative error (each sample weighted by 1/duration).
-
-    Relative weighting keeps 20 ms decode steps as important as 2 s prefill steps: TPOT is
-    made of the former. `family_weights` scales a whole family (default 1). Negative
-    coefficients are physically meaningless; features that want one are dropped and the rest
-    refitted (a small active-set loop).
-    """
-    X = np.array([[linear_features(s.shape)[k] for k in LINEAR_FEATURES] for s in samples])
-    y = np.array([s.duration for s in samples])
-    # A family's weight does not grow with its sample count (1/sqrt(n) per sample), so the
-    # thousands of decode steps of a live run cannot drown its few long prefills.
-    counts: dict[str, int] = {}
-    for s in samples:
-        counts[s.family] = counts.get(s.family, 0) + 1
-    weight = family_weights or {}
-    w = np.array([weight.get(s.family, 1.0) / (s.duration * np.sqrt(counts[s.family]))
-                  for s in samples])
-    active = [j for j in range(len(LINEAR_FEATURES)) if X[:, j].any()]
-    coef = np.zeros(len(LINEAR_FEATURES))
-    while active:
-        A = X[:, active] * w[:, None]
-        sol, *_ = np.linalg.lstsq(A, y * w, rcond=None)
-        if (sol >= 0).all():
-            coef[:] = 0.0
-            coef[active] = sol
-            break
-        active.pop(int(np.argmin(sol)))
-    return {k: float(c) for k, c in zip(LINEAR_FEATURES, coef)}
-
-
-def fit_errors(samples: Sequence[Sample], coefficients: dict[str, float]) -> dict[str, float]:
-    """Mean relative error of the fit, per shape family and overall."""
-    def predict(shape: StepShape) -> float:
-        return sum(coefficients[k] * v for k, v in linear_features(shape).items())
-
-    errors: dict[str, list[float]] = {}
-    for s in samples:
-        err = abs(predict(s.shape) - s.duration) / s.duration
-        errors.setdefault(s.family, []).append(err)
-        errors.setdefault("all", []).append(err)
-    return {family: float(np.mean(v)) for family, v in errors.items()}
+if TYPE_CHECKING:  # the model (torch) is imported only by a command that loads one
+    from chunkserve.model.factory import LoadedModel
 
 
 # ---- measuring on the real engine ---------------------------------------------------------------
@@ -96,17 +53,14 @@ def default_grid(quick: bool = False) -> list[Scenario]:
     return prefill + decode + mixed
 
 
-def measure(loaded: Any, scenarios: Sequence[Scenario], block_size: int = 16) -> list[Sample]:
-    from chunkserve.engine.llm_engine import LLMEngine
-    from chunkserve.sampling_params import SamplingParams
-
+def measure(loaded: LoadedModel, scenarios: Sequence[Scenario], block_size: int = 16
+            ) -> list[Sample]:
     samples: list[Sample] = []
     for sc in scenarios:
         engine = LLMEngine.from_kwargs(
             loaded=loaded, model=loaded.path, max_num_batched_tokens=sc.budget,
             block_size=block_size, max_num_seqs=max(256, len(sc.prompts)),
         )
-        engine.trace.keep_all()
         # A throwaway request first: an engine's first step pays one-off allocation costs.
         engine.add_request("warmup", [1, 2, 3], SamplingParams(max_tokens=1))
         while engine.has_unfinished_requests():
@@ -116,32 +70,30 @@ def measure(loaded: Any, scenarios: Sequence[Scenario], block_size: int = 16) ->
             # The mixed family's last prompt arrives once the others are decoding.
             if sc.family == "mixed" and i == len(sc.prompts) - 1:
                 for _ in range(3):
-                    engine.step()
-                    _record(engine, sc.family, samples)
+                    _record(engine.step(), sc.family, samples)
             engine.add_request(None, [100 + (7 * j + i) % 30000 for j in range(n)], params)
         while engine.has_unfinished_requests():
-            engine.step()
-            _record(engine, sc.family, samples)
+            _record(engine.step(), sc.family, samples)
     return samples
 
 
-def last_step(engine: Any) -> tuple[StepShape, float] | None:
-    """The shape and measured duration of the engine's last step; None if it ran no tokens."""
-    shape = StepShape.from_scheduled(engine.last_scheduled)
-    return (shape, engine.trace.records[-1].duration) if shape.num_tokens else None
+def step_sample(step: StepResult) -> tuple[StepShape, float] | None:
+    """A step's shape and measured duration; None if it ran no tokens."""
+    shape = StepShape.from_scheduled(step.scheduled)
+    return (shape, step.record.duration) if shape.num_tokens else None
 
 
-def _record(engine: Any, family: str, samples: list[Sample]) -> None:
-    step = last_step(engine)
-    if step is None:
+def _record(step: StepResult, family: str, samples: list[Sample]) -> None:
+    sample = step_sample(step)
+    if sample is None:
         return
-    shape, duration = step
+    shape, duration = sample
     if family == "mixed" and not shape.is_mixed:  # the decode steps around the mixed ones
         family = "prefill" if shape.prefill and not shape.decode_contexts else "decode"
     samples.append(Sample(family, shape, duration))
 
 
-def measure_workload(loaded: Any, budgets: Sequence[int | None], num_prompts: int = 20,
+def measure_workload(loaded: LoadedModel, budgets: Sequence[int | None], num_prompts: int = 20,
                      rate: float = 0.8, seed: int = 1234, long_fraction: float = 0.25
                      ) -> list[Sample]:
     """Steps of a mixed workload replayed in real time, at each budget (None: no chunking, the
@@ -152,10 +104,6 @@ def measure_workload(loaded: Any, budgets: Sequence[int | None], num_prompts: in
     into decode batches, colder caches), and a simulator replays live runs. The seed differs
     from the benchmarks' default, so validation never scores the model on its own samples.
     """
-    from chunkserve.bench.sweep import replay
-    from chunkserve.bench.workloads import arrival_times, sample_requests
-    from chunkserve.engine.llm_engine import LLMEngine
-
     # More long prompts than the benchmark's 10%: the attention terms that decide latency tails
     # are only measured on long prefills, and a handful of them would leave those terms loose.
     requests = sample_requests("mixed", loaded.tokenizer, num_prompts, seed,
@@ -163,15 +111,16 @@ def measure_workload(loaded: Any, budgets: Sequence[int | None], num_prompts: in
     arrivals = arrival_times(num_prompts, rate, 1.0, seed)
     samples: list[Sample] = []
 
-    def on_step(engine: LLMEngine) -> None:
-        step = last_step(engine)
-        if step is not None:
-            samples.append(Sample("workload", *step))
+    def on_step(step: StepResult) -> None:
+        sample = step_sample(step)
+        if sample is not None:
+            samples.append(Sample("workload", *sample))
 
     for budget in budgets:
-        engine = LLMEngine.from_kwargs(loaded=loaded, model=loaded.path,
-                                       max_num_batched_tokens=budget or loaded.max_model_len)
-        replay(engine, requests, arrivals, on_step=on_step)
+        # No chunking: orca (decodes plus whole prompts, mixed), the shapes the profile has
+        # always measured there (decode-first at a budget of max_model_len runs the same steps).
+        point = SweepPoint(budget, "decode-first" if budget else "orca")
+        run_point(loaded, point, requests, arrivals, {}, on_step)
     return samples
 
 
@@ -182,7 +131,6 @@ GRID_FAMILY_WEIGHT = 0.05
 
 
 def profile(model: str, dtype: str, quick: bool = False, block_size: int = 16) -> dict[str, Any]:
-    from chunkserve.config import DEFAULT_KV_CACHE_GIB
     from chunkserve.engine.model_runner import kv_bytes_per_block
     from chunkserve.model.factory import load_model
 
@@ -210,14 +158,21 @@ def profile(model: str, dtype: str, quick: bool = False, block_size: int = 16) -
     }
 
 
-def write_profile(profile_dict: dict[str, Any], path: str) -> None:
-    with open(path, "w") as f:
-        json.dump(profile_dict, f, indent=2)
+def add_profile_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--dtype", choices=DTYPES, default="auto")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--quick", action="store_true", help="a 4-scenario grid (tests, smoke runs)")
+    p.add_argument("--output", "-o", default="profile.json")
 
 
-def load_profile(path: str) -> dict[str, Any]:
-    with open(path) as f:
-        data = json.load(f)
-    if data.get("kind") != "linear" or "coefficients" not in data:
-        raise ValueError(f"{path}: not a chunkserve profile (run `chunkserve profile`)")
-    return data
+def run_profile(args: argparse.Namespace) -> int:
+    prof = profile(args.model, args.dtype, args.quick, args.block_size)
+    write_profile(prof, args.output)
+    print(f"{prof['num_samples']} steps timed in {prof['profile_seconds']} s; wrote {args.output}")
+    for name, value in prof["coefficients"].items():
+        print(f"  {name:<18} {value * 1e3:12.6f} ms per unit")
+    print("fit error (mean relative):")
+    for family, err in prof["fit_error"].items():
+        print(f"  {family:<10} {err:6.1%}")
+    return 0

@@ -4,9 +4,11 @@ Shared by `bench sweep` (real engine) and the simulator, so both speak the same 
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import matplotlib
@@ -15,13 +17,56 @@ matplotlib.use("Agg")  # files only; no display on servers or CI
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from chunkserve.bench.sweep import RunResult  # noqa: E402
+from chunkserve.benchlib.metrics import parse_goodput, parse_percentiles  # noqa: E402
+from chunkserve.benchlib.sweep import RunResult, SweepPoint, summarize  # noqa: E402
+from chunkserve.engine.trace import write_trace  # noqa: E402
 
 PLOTS = ("latency_vs_chunk.png", "tpot_cdf.png", "step_timeline.png")
 
 
 def _label(entry: dict[str, Any]) -> str:
     return str(entry["chunk_size"])
+
+
+def sweep_and_report(
+    points: list[SweepPoint],
+    run_one: Callable[[SweepPoint], RunResult],
+    extra: dict[str, Any],
+    args: argparse.Namespace,
+    title: str,
+    command: str,
+) -> int:
+    """Runs every configuration, then writes results.json, table.md and the plots to --out.
+
+    Shared by the real sweep and the simulator so that both report in one format.
+    """
+    percentiles = parse_percentiles(args.percentiles)
+    goodput = parse_goodput(args.goodput)
+    os.makedirs(args.out, exist_ok=True)
+    entries: list[dict[str, Any]] = []
+    runs: list[RunResult] = []
+    for point in points:
+        t0 = time.monotonic()
+        run = run_one(point)
+        run.extra = dict(extra)
+        entry = summarize(run, percentiles, goodput)
+        entries.append(entry)
+        runs.append(run)
+        print(
+            f"chunk_size={point.label!s:>5} {point.scheduler:<13} "
+            f"TTFT p50 {entry['median_ttft_ms']:8.0f} ms  TPOT p99 {entry['p99_tpot_ms']:7.1f} ms  "
+            f"ITL p99 {entry['p99_itl_ms']:7.1f} ms  max gap {entry['max_itl_ms']:7.0f} ms  "
+            f"({time.monotonic() - t0:.1f} s)",
+            flush=True,
+        )
+        write_results(args.out, entries)  # after every point: a long sweep keeps what it did
+        if getattr(args, "trace_dir", None):
+            os.makedirs(args.trace_dir, exist_ok=True)
+            write_trace(os.path.join(args.trace_dir, f"steps-{point.label}.jsonl"), run.records)
+    write_table(args.out, entries, title, command)
+    plot_all(args.out, entries, runs)
+    print(table_markdown(entries, title, command))
+    return 0
 
 
 def write_results(out_dir: str, entries: list[dict[str, Any]]) -> str:
@@ -129,7 +174,7 @@ def _plot_cdf(out_dir: str, runs: Sequence[RunResult]) -> str:
         ok = [r for r in run.results if r.success]
         tpots = sorted((r.latency - r.ttft) / (r.output_len - 1) * 1000 for r in ok if r.output_len > 1)
         gaps = sorted(g * 1000 for r in ok for g in r.itl)
-        name = f"chunk {run.point.chunk_size}"
+        name = f"chunk {run.point.label}"
         for ax, values in ((ax1, tpots), (ax2, gaps)):
             if values:
                 ax.plot(values, np.arange(1, len(values) + 1) / len(values), label=name)
@@ -150,8 +195,8 @@ def _plot_cdf(out_dir: str, runs: Sequence[RunResult]) -> str:
 
 def _timeline_runs(runs: Sequence[RunResult]) -> list[RunResult]:
     """The no-chunk baseline (if any) and the middle chunked configuration."""
-    base = [r for r in runs if r.point.chunk_size == "none"]
-    chunked = [r for r in runs if r.point.chunk_size != "none"]
+    base = [r for r in runs if r.point.chunk_size is None]
+    chunked = [r for r in runs if r.point.chunk_size is not None]
     picks = base[:1]
     if chunked:
         picks.append(chunked[len(chunked) // 2])
@@ -201,7 +246,7 @@ def _plot_timeline(out_dir: str, runs: Sequence[RunResult]) -> str:
                   label="step duration")
         twin.set_ylim(0, top)  # one scale for every panel: stalls compare at a glance
         twin.set_ylabel("step duration (ms)")
-        ax.set_title(f"chunk size {run.point.chunk_size} ({run.point.scheduler}): each bar is one "
+        ax.set_title(f"chunk size {run.point.label} ({run.point.scheduler}): each bar is one "
                      "step, as wide as it took; decodes wait for the whole step")
         ax.legend(loc="upper left", fontsize=8)
         twin.legend(loc="upper right", fontsize=8)

@@ -1,0 +1,169 @@
+"""The workload and sweep flags, declared once for `bench serve`, `bench sweep` and `sim`.
+
+Same names and LOW:HIGH syntax everywhere, so one workload reads the same in every command.
+The defaults are shared too, except the two each command's users expect from its model:
+`bench serve` follows `vllm bench serve` (random dataset, 1,000 prompts), the sweeps the
+article (its mixed workload, 100 prompts).
+"""
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from chunkserve.benchlib.metrics import parse_goodput
+from chunkserve.benchlib.shared_prefix import (
+    add_shared_prefix_args,
+    shared_prefix_requests,
+    spec_from_args,
+)
+from chunkserve.benchlib.sweep import SweepPoint, parse_chunk_sizes, sweep_points
+from chunkserve.benchlib.workloads import (
+    DATASET_NAMES,
+    BenchRequest,
+    BenchTokenizer,
+    sample_lengths,
+    sample_requests,
+)
+from chunkserve.config import CHUNKED_SCHEDULERS, NO_CHUNK_SCHEDULERS
+from chunkserve.engine.arg_utils import add_chunk_policy_args
+
+
+def int_pair(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition(":")
+    try:
+        pair = (int(lo), int(hi))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LOW:HIGH token counts, got {text!r}") from None
+    if not 1 <= pair[0] <= pair[1]:
+        raise argparse.ArgumentTypeError(f"expected 1 <= LOW <= HIGH, got {text!r}")
+    return pair
+
+
+def add_workload_args(
+    p: argparse.ArgumentParser | argparse._ArgumentGroup, dataset_name: str, num_prompts: int
+) -> None:
+    """The dataset, its lengths, the seed and the arrival process's shape."""
+    p.add_argument("--dataset-name", choices=DATASET_NAMES, default=dataset_name)
+    p.add_argument("--dataset-path", default=None, help="JSONL for --dataset-name file")
+    p.add_argument("--num-prompts", type=int, default=num_prompts)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--random-input-len", type=int, default=1024)
+    p.add_argument("--random-output-len", type=int, default=128)
+    p.add_argument("--random-range-ratio", type=float, default=0.0)
+    p.add_argument("--mixed-long-fraction", type=float, default=0.1,
+                   help="share of long prompts in the mixed workload")
+    p.add_argument("--mixed-long-input-range", type=int_pair, default=(2048, 4096),
+                   metavar="LOW:HIGH")
+    p.add_argument("--mixed-short-input-range", type=int_pair, default=(32, 256),
+                   metavar="LOW:HIGH")
+    p.add_argument("--mixed-output-range", type=int_pair, default=(32, 128), metavar="LOW:HIGH")
+    add_shared_prefix_args(p)
+    p.add_argument("--burstiness", type=float, default=1.0,
+                   help="gamma shape of arrival gaps: 1 Poisson, <1 burstier, >1 steadier")
+
+
+def add_sweep_args(p: argparse.ArgumentParser) -> None:
+    """What `bench sweep` and `sim` add to the workload: the configurations and the report."""
+    add_workload_args(p, dataset_name="mixed", num_prompts=100)
+    rate = p.add_mutually_exclusive_group()
+    rate.add_argument("--request-rate", type=float, default=None, help="req/s; inf = all at once")
+    rate.add_argument("--load", type=float, default=None,
+                      help="arrival rate as a fraction of measured capacity (e.g. 0.7)")
+    p.add_argument("--chunk-sizes", default="none,32,64,128,256,512,1024,2048")
+    p.add_argument("--baseline", choices=NO_CHUNK_SCHEDULERS, default="prefill-first",
+                   help="scheduler for the 'none' (no chunking) configuration")
+    p.add_argument("--scheduler", choices=CHUNKED_SCHEDULERS, default="decode-first")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse cached KV of shared prefixes (vLLM V1: on)")
+    p.add_argument("--percentiles", default="50,90,99", help="metric percentiles to report")
+    p.add_argument("--goodput", nargs="*", default=None, help="SLOs like ttft:2000 tpot:100 e2el:20000")
+    add_chunk_policy_args(p)  # adaptive: --chunk-sizes are the caps; 'none' stays static
+    p.add_argument("--out", required=True, help="output folder for results.json, table.md, plots")
+    p.add_argument("--trace-dir", default=None,
+                   help="also write each configuration's step trace there "
+                        "(steps-CHUNK.jsonl, the --trace-file format)")
+
+
+def check_sweep_args(args: argparse.Namespace) -> None:
+    """Fails on bad flags before anything slow (model loading, capacity probes) starts."""
+    parse_chunk_sizes(args.chunk_sizes)
+    parse_goodput(args.goodput)
+    if args.load is not None and not args.load > 0:
+        raise ValueError(f"--load must be a positive fraction of capacity, got {args.load}")
+    if args.num_prompts < 1:
+        raise ValueError(f"--num-prompts must be at least 1, got {args.num_prompts}")
+    if (args.chunk_policy == "adaptive") != (args.target_itl_ms is not None):
+        raise ValueError("--chunk-policy adaptive and --target-itl-ms go together")
+    if args.target_itl_ms is not None and not args.target_itl_ms > 0:
+        raise ValueError(f"--target-itl-ms must be positive, got {args.target_itl_ms}")
+
+
+def points_from_args(args: argparse.Namespace) -> list[SweepPoint]:
+    """The sweep's configurations: --chunk-sizes under --scheduler and the chunk policy."""
+    return sweep_points(parse_chunk_sizes(args.chunk_sizes), args.scheduler, args.baseline,
+                        args.chunk_policy, args.target_itl_ms, args.min_chunk_tokens)
+
+
+def _length_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    return dict(
+        random_input_len=args.random_input_len, random_output_len=args.random_output_len,
+        random_range_ratio=args.random_range_ratio, long_fraction=args.mixed_long_fraction,
+        long_input_range=args.mixed_long_input_range,
+        short_input_range=args.mixed_short_input_range, output_range=args.mixed_output_range,
+    )
+
+
+def workload_requests(
+    args: argparse.Namespace, tokenizer: BenchTokenizer, seed: int | None = None
+) -> list[BenchRequest]:
+    """The flags' workload as real prompts (`seed` overrides --seed: a validation repeat)."""
+    seed = args.seed if seed is None else seed
+    if args.dataset_name == "shared-prefix":
+        return shared_prefix_requests(spec_from_args(args), args.num_prompts, seed,
+                                      args.random_output_len, tokenizer)
+    return sample_requests(args.dataset_name, tokenizer, args.num_prompts, seed,
+                           dataset_path=args.dataset_path, **_length_kwargs(args))
+
+
+def workload_lengths(args: argparse.Namespace) -> list[BenchRequest]:
+    """The flags' workload as lengths only: all a simulation needs, and the same lengths as
+    `workload_requests` draws for the seed. `shared-prefix` keeps token ids (made without a
+    tokenizer): which prompts share blocks is what decides the simulated cache hits."""
+    if args.dataset_name == "file":
+        raise ValueError("the simulator needs lengths only: use random, mixed, sharegpt-like or "
+                         "shared-prefix")
+    if args.dataset_name == "shared-prefix":
+        return shared_prefix_requests(spec_from_args(args), args.num_prompts, args.seed,
+                                      args.random_output_len)
+    input_lens, output_lens, _ = sample_lengths(args.dataset_name, args.num_prompts, args.seed,
+                                                **_length_kwargs(args))
+    return length_requests(input_lens, output_lens)
+
+
+# The simulator's placeholder prompt token: requests ignore EOS, so no id ever matters.
+PLACEHOLDER_TOKEN = 0
+
+
+def length_requests(
+    input_lens: Sequence[int] | np.ndarray, output_lens: Sequence[int] | np.ndarray
+) -> list[BenchRequest]:
+    """Requests that carry lengths (and placeholder prompt tokens) only. Each prompt starts
+    with its own index: placeholders alone would make every prompt share one prefix, and the
+    prefix cache would skip what a real workload of unrelated prompts computes (block hashes
+    chain, so a differing first token makes every block differ)."""
+    return [BenchRequest("", [1 + k] + [PLACEHOLDER_TOKEN] * (int(i) - 1), int(i), int(o))
+            for k, (i, o) in enumerate(zip(input_lens, output_lens))]
+
+
+def check_fits(requests: Sequence[BenchRequest], max_model_len: int) -> None:
+    """Every request's prompt + output must fit the model's context, or the run cannot finish."""
+    longest = max(r.prompt_len + r.output_len for r in requests)
+    if longest > max_model_len:
+        raise ValueError(f"the workload needs {longest} tokens per request, above max_model_len "
+                         f"{max_model_len}")

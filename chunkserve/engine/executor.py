@@ -1,0 +1,33 @@
+"""What the engine loop runs a step on: the model, or a stand-in that only keeps time.
+
+`LLMEngine` drives an `Executor` and never looks past this interface, so the real model
+(`ModelRunner`) and the simulator's cost model (`sim.cost_executor.CostModelExecutor`) run under
+the very same loop: schedule, execute, update, record.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from chunkserve.core.sched_output import SchedulerOutput
+
+
+@dataclass
+class RunnerOutput:
+    sampled: dict[str, int] = field(default_factory=dict)  # request id -> new token
+    # request id -> [(sampled token, logprob), *top-k (token, logprob)], only when asked for
+    logprobs: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+
+
+class Executor(Protocol):
+    # The KV pool it owns, in blocks of `block_size` tokens: the scheduler allocates within it.
+    num_kv_blocks: int
+    num_swap_blocks: int
+
+    def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        """Runs one step; returns the token of every scheduled request that samples."""
+        ...
+
+    def commit_kv_memory(self) -> None:
+        """Makes the KV pool resident now rather than page by page while serving."""
+        ...

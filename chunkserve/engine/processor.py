@@ -1,0 +1,100 @@
+"""The input processor (vLLM V1's `Processor`): a request checked and completed, once.
+
+Both front ends call it, the server from its own threads (so a bad request is a 400 before it
+ever reaches the engine loop) and the offline API through `LLMEngine.add_request`. What comes
+out is an `EngineRequest` the engine trusts: token ids in the vocabulary, a prompt that fits,
+and `max_tokens` an int.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+from chunkserve.sampling_params import SamplingParams
+
+
+class PromptTokenizer(Protocol):
+    eos_token_id: int | None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def decode(self, ids: list[int], skip_special_tokens: bool) -> str: ...
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """A validated request (vLLM: `EngineCoreRequest`)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams  # max_tokens is an int
+    eos_token_ids: list[int]
+    arrival_time: float | None = None  # None: the engine's clock when it is added
+    priority: int = 0
+
+
+class Processor:
+    def __init__(
+        self,
+        max_model_len: int,
+        vocab_size: int | None,
+        tokenizer: PromptTokenizer | None = None,
+        eos_token_ids: list[int] | None = None,
+    ) -> None:
+        """`tokenizer` None: prompts must be token ids and outputs carry no text (the
+        simulator); `vocab_size` None: ids are not range-checked (placeholder tokens)."""
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.tokenizer = tokenizer
+        if eos_token_ids is None and tokenizer is not None and tokenizer.eos_token_id is not None:
+            eos_token_ids = [tokenizer.eos_token_id]
+        self.eos_token_ids = list(eos_token_ids or [])
+
+    def process_inputs(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> EngineRequest:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("This engine has no tokenizer: prompts must be token ids.")
+            text: str | None = prompt
+            token_ids = self.tokenizer.encode(prompt)
+        else:
+            text, token_ids = None, list(prompt)
+        params = self.process_params(token_ids, params)
+        return EngineRequest(request_id, text, token_ids, params, self.eos_token_ids,
+                             arrival_time, priority)
+
+    def process_params(self, token_ids: list[int], params: SamplingParams) -> SamplingParams:
+        """Checks a prompt against the model; returns params with max_tokens filled in."""
+        max_tokens = self._max_tokens(token_ids, params)
+        # replace() re-runs SamplingParams' checks (min_tokens <= max_tokens among them).
+        return params if max_tokens == params.max_tokens else replace(params, max_tokens=max_tokens)
+
+    def _max_tokens(self, token_ids: list[int], params: SamplingParams) -> int:
+        n, limit = len(token_ids), self.max_model_len
+        if n == 0:
+            raise ValueError("The prompt cannot be empty.")
+        vocab = self.vocab_size
+        if vocab is not None and any(not isinstance(t, int) or not 0 <= t < vocab
+                                     for t in token_ids):
+            raise ValueError(f"Token ids must be integers in [0, {vocab}).")
+        if n >= limit:
+            raise ValueError(
+                f"This model's maximum context length is {limit} tokens. However, your request "
+                f"has {n} input tokens. Please reduce the length of the input messages."
+            )
+        if params.max_tokens is None:
+            return limit - n
+        if params.max_tokens > limit - n:
+            raise ValueError(
+                f"'max_tokens' or 'max_completion_tokens' is too large: {params.max_tokens}. "
+                f"This model's maximum context length is {limit} tokens and your request has "
+                f"{n} input tokens ({params.max_tokens} > {limit} - {n})."
+            )
+        return params.max_tokens

@@ -1,0 +1,80 @@
+"""The linear cost model fitted to measured steps, and the profile file that carries it.
+
+The steps are measured on the real engine by `chunkserve profile` (bench/calibration.py) and by
+`sim --validate`'s real runs; the fit, and reading a profile back, are the simulator's own.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from chunkserve.sim.cost_model import LINEAR_FEATURES, StepShape, linear_features
+
+
+@dataclass
+class Sample:
+    family: str
+    shape: StepShape
+    duration: float  # seconds
+
+
+def fit_linear(samples: Sequence[Sample],
+               family_weights: dict[str, float] | None = None) -> dict[str, float]:
+    """Non-negative least squares on relative error (each sample weighted by 1/duration).
+
+    Relative weighting keeps 20 ms decode steps as important as 2 s prefill steps: TPOT is
+    made of the former. `family_weights` scales a whole family (default 1). Negative
+    coefficients are physically meaningless; features that want one are dropped and the rest
+    refitted (a small active-set loop).
+    """
+    X = np.array([[linear_features(s.shape)[k] for k in LINEAR_FEATURES] for s in samples])
+    y = np.array([s.duration for s in samples])
+    # A family's weight does not grow with its sample count (1/sqrt(n) per sample), so the
+    # thousands of decode steps of a live run cannot drown its few long prefills.
+    counts: dict[str, int] = {}
+    for s in samples:
+        counts[s.family] = counts.get(s.family, 0) + 1
+    weight = family_weights or {}
+    w = np.array([weight.get(s.family, 1.0) / (s.duration * np.sqrt(counts[s.family]))
+                  for s in samples])
+    active = [j for j in range(len(LINEAR_FEATURES)) if X[:, j].any()]
+    coef = np.zeros(len(LINEAR_FEATURES))
+    while active:
+        A = X[:, active] * w[:, None]
+        sol, *_ = np.linalg.lstsq(A, y * w, rcond=None)
+        if (sol >= 0).all():
+            coef[:] = 0.0
+            coef[active] = sol
+            break
+        active.pop(int(np.argmin(sol)))
+    return {k: float(c) for k, c in zip(LINEAR_FEATURES, coef)}
+
+
+def fit_errors(samples: Sequence[Sample], coefficients: dict[str, float]) -> dict[str, float]:
+    """Mean relative error of the fit, per shape family and overall."""
+    def predict(shape: StepShape) -> float:
+        return sum(coefficients[k] * v for k, v in linear_features(shape).items())
+
+    errors: dict[str, list[float]] = {}
+    for s in samples:
+        err = abs(predict(s.shape) - s.duration) / s.duration
+        errors.setdefault(s.family, []).append(err)
+        errors.setdefault("all", []).append(err)
+    return {family: float(np.mean(v)) for family, v in errors.items()}
+
+
+def write_profile(profile_dict: dict[str, Any], path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(profile_dict, f, indent=2)
+
+
+def load_profile(path: str) -> dict[str, Any]:
+    with open(path) as f:
+        data = json.load(f)
+    if data.get("kind") != "linear" or "coefficients" not in data:
+        raise ValueError(f"{path}: not a chunkserve profile (run `chunkserve profile`)")
+    return data

@@ -1,0 +1,107 @@
+"""The import direction between packages (README, "How the code is laid out"), enforced.
+
+    core ← engine ← (serve, bench);  benchlib ← (bench, sim);  sim ← bench
+
+`core` is pure Python; `model` never imports `engine`; `sim` runs the engine with a cost model
+and never imports `model/` or `bench/` (real measurement lives with the benches). Every import
+counts, function-level ones included: a lazy import is still an arrow.
+"""
+from __future__ import annotations
+
+import ast
+import pathlib
+from collections import defaultdict
+
+import chunkserve
+
+ROOT = pathlib.Path(chunkserve.__file__).parent
+LEAVES = {"config", "sampling_params", "outputs", "presets"}  # top-level modules, no arrows out
+ALLOWED = {
+    "core": {"config", "sampling_params"},
+    "model": {"config", "presets"},
+    "engine": {"core", "model", "config", "sampling_params", "outputs"},
+    "benchlib": {"core", "engine", "config", "sampling_params", "outputs"},
+    "sim": {"benchlib", "core", "engine", "config", "sampling_params", "outputs", "presets"},
+    "serve": {"core", "engine", "model", "config", "sampling_params", "outputs", "__init__"},
+    "bench": {"benchlib", "sim", "core", "engine", "model", "config", "sampling_params",
+              "outputs", "presets"},
+    **{leaf: set() for leaf in LEAVES},
+}
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: pathlib.Path) -> set[str]:
+    """The chunkserve modules a file imports, relative imports resolved."""
+    package = _module_name(path) if path.name == "__init__.py" else _module_name(path).rsplit(".", 1)[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            found.add(base)
+            found |= {f"{base}.{a.name}" for a in node.names}  # `from pkg import module`
+    return {m for m in found if m == "chunkserve" or m.startswith("chunkserve.")}
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = {_module_name(p): p for p in ROOT.rglob("*.py")}
+    graph: dict[str, set[str]] = defaultdict(set)
+    for name, path in modules.items():
+        graph[name] = {m for m in _imports(path) if m in modules and m != name}
+    return graph
+
+
+def _package(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def test_packages_import_only_downwards() -> None:
+    bad = []
+    for module, targets in _graph().items():
+        src = _package(module)
+        if src not in ALLOWED:  # entry points: cli, llm, the package __init__
+            continue
+        for target in targets:
+            dst = _package(target)
+            if dst != src and dst not in ALLOWED[src]:
+                bad.append(f"{module} imports {target}")
+    assert not bad, "\n".join(sorted(bad))
+
+
+def test_the_layering_rules_the_issue_names() -> None:
+    """Spelled out, so a loosened ALLOWED table cannot quietly undo them."""
+    assert "engine" not in ALLOWED["model"]
+    assert not {"model", "bench", "serve"} & ALLOWED["sim"]
+    assert not {"engine", "model", "serve", "bench", "sim", "benchlib"} & ALLOWED["core"]
+    assert not {"serve", "bench", "sim"} & ALLOWED["engine"]
+    assert "bench" not in ALLOWED["serve"] and "sim" not in ALLOWED["serve"]
+
+
+def test_no_import_cycles_between_modules() -> None:
+    """Module-level cycles (serve's app and its routes once imported each other)."""
+    graph = _graph()
+    done: set[str] = set()
+
+    def visit(node: str, stack: list[str]) -> None:
+        if node in stack:
+            cycle = stack[stack.index(node):] + [node]
+            raise AssertionError("import cycle: " + " -> ".join(cycle))
+        if node in done:
+            return
+        for target in sorted(graph.get(node, ())):
+            # A package's __init__ re-exporting its children is not a cycle of substance.
+            if not node.startswith(target + ".") and not target.startswith(node + "."):
+                visit(target, stack + [node])
+        done.add(node)
+
+    for module in sorted(graph):
+        visit(module, [])
