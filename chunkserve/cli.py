@@ -1,4 +1,4 @@
-"""`chunkserve` command line: generate, serve, bench serve|sweep, sim, profile."""
+"""`chunkserve` command line: generate, serve, bench serve|sweep, sim, profile, diagnose."""
 from __future__ import annotations
 
 import argparse
@@ -12,7 +12,7 @@ def _generate(args: argparse.Namespace) -> int:
     from chunkserve.llm import LLM
     from chunkserve.sampling_params import SamplingParams
 
-    llm = LLM(**engine_kwargs(args))
+    llm = LLM(**engine_kwargs(_with_step_time(args)))
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
         top_k=args.top_k, min_p=args.min_p, seed=args.sampling_seed, stop=args.stop or None,
@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (vLLM's flags)")
     add_server_args(srv)
-    srv.set_defaults(func=run_server)
+    srv.set_defaults(func=lambda args: run_server(_with_step_time(args)))
 
     from chunkserve.bench.cli import add_bench_parsers
 
@@ -73,7 +73,25 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_profile_args(prof)
     prof.set_defaults(func=_profile)
+
+    from chunkserve.diagnose.cli import add_diagnose_args, run_diagnose
+
+    diag = sub.add_parser("diagnose", help="attribute the slowest token gaps of a step trace")
+    add_diagnose_args(diag)
+    diag.set_defaults(func=run_diagnose)
     return parser
+
+
+def _with_step_time(args: argparse.Namespace) -> argparse.Namespace:
+    """Adds the adaptive policy's step-time model (built from --cost-model) to the engine
+    flags. Built here because neither the engine nor the server may import the simulator's
+    cost models; the command line is above both."""
+    from chunkserve.sim.step_cost import step_time_kwargs
+
+    model = getattr(args, "model_tag", None) or args.model  # `serve MODEL` names it first
+    for key, value in step_time_kwargs(args.chunk_policy, args.cost_model, model).items():
+        setattr(args, key, value)
+    return args
 
 
 def _sim(args: argparse.Namespace) -> int:
@@ -97,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, TypeError, FileNotFoundError) as e:
+    except (ValueError, TypeError, OSError) as e:
         # Bad input is the user's to fix: a one-line message, not a traceback.
         print(f"chunkserve: error: {e}", file=sys.stderr)
         return 2

@@ -5,6 +5,7 @@ without pointing an arrow upwards.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
@@ -13,6 +14,10 @@ NO_CHUNK_SCHEDULERS = ("prefill-first", "orca")
 SCHEDULERS = CHUNKED_SCHEDULERS + NO_CHUNK_SCHEDULERS
 PREEMPTION_MODES = ("recompute", "swap")
 SCHEDULING_POLICIES = ("fcfs", "priority")
+# static: every step's budget is max_num_batched_tokens; adaptive: each step's prefill chunk is
+# sized from a step-time model to keep the step under target_itl_ms (core/chunk_budget.py).
+CHUNK_POLICIES = ("static", "adaptive")
+DEFAULT_MIN_CHUNK_TOKENS = 32
 DTYPES = ("auto", "float32", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 LOAD_FORMATS = ("auto", "dummy")  # dummy: random weights from the model's config (vLLM's name)
@@ -95,6 +100,13 @@ class SchedulerConfig:
     scheduler: str | None = None  # None: decode-first if chunking, prefill-first if not
     long_prefill_token_threshold: int = 0  # 0: off
     scheduling_policy: str = "fcfs"
+    chunk_policy: str = "static"
+    target_itl_ms: float | None = None  # adaptive: the predicted step time to stay under
+    min_chunk_tokens: int = DEFAULT_MIN_CHUNK_TOKENS  # adaptive: the chunk never goes below
+    # adaptive: predicted seconds of a planned step (core.chunk_budget.StepTimeFn). A callable
+    # rather than a name so that the scheduler stays pure: whoever builds the engine makes it
+    # from a cost model (sim.step_cost: a `chunkserve profile` file or a hardware preset).
+    step_time: Callable[[Any], float] | None = field(default=None, compare=False, repr=False)
 
     @property
     def chunked(self) -> bool:
@@ -158,6 +170,29 @@ class SchedulerConfig:
                 f"scheduling_policy must be one of {SCHEDULING_POLICIES}, "
                 f"got {self.scheduling_policy!r}."
             )
+        self._verify_chunk_policy()
+
+    def _verify_chunk_policy(self) -> None:
+        if self.chunk_policy not in CHUNK_POLICIES:
+            raise ValueError(
+                f"chunk_policy must be one of {CHUNK_POLICIES}, got {self.chunk_policy!r}."
+            )
+        if self.min_chunk_tokens < 1:
+            raise ValueError(f"min_chunk_tokens must be positive, got {self.min_chunk_tokens}.")
+        if self.chunk_policy == "static":
+            if self.target_itl_ms is not None:
+                raise ValueError("target_itl_ms needs chunk_policy 'adaptive' (--chunk-policy "
+                                 "adaptive); the static policy has no target.")
+            return
+        if not self.chunked:
+            raise ValueError(f"chunk_policy 'adaptive' sizes prefill chunks; scheduler "
+                             f"{self.scheduler!r} never chunks. Use decode-first or vllm-v1.")
+        if self.target_itl_ms is None or not self.target_itl_ms > 0:
+            raise ValueError("chunk_policy 'adaptive' needs a positive target_itl_ms "
+                             f"(--target-itl-ms), got {self.target_itl_ms}.")
+        if self.step_time is None:
+            raise ValueError("chunk_policy 'adaptive' needs a step-time model (step_time; on the "
+                             "command line --cost-model, a profile file or a hardware preset).")
 
 
 @dataclass(frozen=True)

@@ -197,7 +197,8 @@ def test_prefix_caching_on_and_off_match_alone(
 def test_prefix_caching_with_forced_preemption_matches_alone(
     tiny, shared_prompts, shared_reference, mode, scheduler, budget
 ):
-    # 12 blocks of 16: the 6 prompts (~240 tokens + output) cannot all run at once.
+    # 12 blocks of 16: the 6 prompts (~240 tokens + output) cannot all run at once. The pool
+    # must still hold one max-length request, hence max_model_len 128 (the prompts fit it).
     first, second, llm = _twice(
         tiny, shared_prompts, scheduler=scheduler, max_num_batched_tokens=budget,
         num_kv_blocks=12, preemption_mode=mode, max_model_len=128,  # the pool must hold one

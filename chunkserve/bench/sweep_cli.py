@@ -7,11 +7,19 @@ import sys
 from typing import Any
 
 from chunkserve.bench.sweep import measure_capacity, run_point
-from chunkserve.benchlib.args import add_sweep_args, check_fits, check_sweep_args, workload_requests
+from chunkserve.benchlib.args import (
+    add_sweep_args,
+    check_fits,
+    check_sweep_args,
+    points_from_args,
+    workload_requests,
+)
 from chunkserve.benchlib.report import sweep_and_report
-from chunkserve.benchlib.sweep import SweepPoint, parse_chunk_sizes, sweep_points
+from chunkserve.benchlib.sweep import SweepPoint
 from chunkserve.benchlib.workloads import arrival_times
 from chunkserve.config import ATTENTION_BACKENDS, DEVICES, DTYPES, LOAD_FORMATS
+from chunkserve.engine.arg_utils import add_cost_model_arg
+from chunkserve.sim.step_cost import step_time_kwargs
 
 
 def add_bench_sweep_args(p: argparse.ArgumentParser) -> None:
@@ -24,6 +32,7 @@ def add_bench_sweep_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--kv-cache-memory", type=float, default=None, help="GiB (default 2)")
+    add_cost_model_arg(p)
     add_sweep_args(p)
 
 
@@ -31,7 +40,7 @@ def run_sweep(args: argparse.Namespace) -> int:
     from chunkserve.model.factory import load_model
 
     check_sweep_args(args)
-    points = sweep_points(parse_chunk_sizes(args.chunk_sizes), args.scheduler, args.baseline)
+    points = points_from_args(args)
     loaded = load_model(
         args.model, args.dtype, args.max_model_len, args.device, load_format=args.load_format,
         attention_backend=args.attention_backend, seed=args.seed,
@@ -42,6 +51,7 @@ def run_sweep(args: argparse.Namespace) -> int:
         block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
         max_num_seqs=args.max_num_seqs, kv_cache_memory=args.kv_cache_memory,
         enforce_eager=args.enforce_eager, enable_prefix_caching=args.enable_prefix_caching,
+        **step_time_kwargs(args.chunk_policy, args.cost_model, args.model),
     )
     rate = args.request_rate
     if args.load is not None:

@@ -19,7 +19,7 @@ from chunkserve.benchlib.shared_prefix import (
     shared_prefix_requests,
     spec_from_args,
 )
-from chunkserve.benchlib.sweep import parse_chunk_sizes
+from chunkserve.benchlib.sweep import SweepPoint, parse_chunk_sizes, sweep_points
 from chunkserve.benchlib.workloads import (
     DATASET_NAMES,
     BenchRequest,
@@ -28,6 +28,7 @@ from chunkserve.benchlib.workloads import (
     sample_requests,
 )
 from chunkserve.config import CHUNKED_SCHEDULERS, NO_CHUNK_SCHEDULERS
+from chunkserve.engine.arg_utils import add_chunk_policy_args
 
 
 def int_pair(text: str) -> tuple[int, int]:
@@ -82,7 +83,11 @@ def add_sweep_args(p: argparse.ArgumentParser) -> None:
                    help="reuse cached KV of shared prefixes (vLLM V1: on)")
     p.add_argument("--percentiles", default="50,90,99", help="metric percentiles to report")
     p.add_argument("--goodput", nargs="*", default=None, help="SLOs like ttft:2000 tpot:100 e2el:20000")
+    add_chunk_policy_args(p)  # adaptive: --chunk-sizes are the caps; 'none' stays static
     p.add_argument("--out", required=True, help="output folder for results.json, table.md, plots")
+    p.add_argument("--trace-dir", default=None,
+                   help="also write each configuration's step trace there "
+                        "(steps-CHUNK.jsonl, the --trace-file format)")
 
 
 def check_sweep_args(args: argparse.Namespace) -> None:
@@ -93,6 +98,16 @@ def check_sweep_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--load must be a positive fraction of capacity, got {args.load}")
     if args.num_prompts < 1:
         raise ValueError(f"--num-prompts must be at least 1, got {args.num_prompts}")
+    if (args.chunk_policy == "adaptive") != (args.target_itl_ms is not None):
+        raise ValueError("--chunk-policy adaptive and --target-itl-ms go together")
+    if args.target_itl_ms is not None and not args.target_itl_ms > 0:
+        raise ValueError(f"--target-itl-ms must be positive, got {args.target_itl_ms}")
+
+
+def points_from_args(args: argparse.Namespace) -> list[SweepPoint]:
+    """The sweep's configurations: --chunk-sizes under --scheduler and the chunk policy."""
+    return sweep_points(parse_chunk_sizes(args.chunk_sizes), args.scheduler, args.baseline,
+                        args.chunk_policy, args.target_itl_ms, args.min_chunk_tokens)
 
 
 def _length_kwargs(args: argparse.Namespace) -> dict[str, Any]:

@@ -19,6 +19,7 @@ import numpy as np  # noqa: E402
 
 from chunkserve.benchlib.metrics import parse_goodput, parse_percentiles  # noqa: E402
 from chunkserve.benchlib.sweep import RunResult, SweepPoint, summarize  # noqa: E402
+from chunkserve.engine.trace import write_trace  # noqa: E402
 
 PLOTS = ("latency_vs_chunk.png", "tpot_cdf.png", "step_timeline.png")
 
@@ -59,6 +60,9 @@ def sweep_and_report(
             flush=True,
         )
         write_results(args.out, entries)  # after every point: a long sweep keeps what it did
+        if getattr(args, "trace_dir", None):
+            os.makedirs(args.trace_dir, exist_ok=True)
+            write_trace(os.path.join(args.trace_dir, f"steps-{point.label}.jsonl"), run.records)
     write_table(args.out, entries, title, command)
     plot_all(args.out, entries, runs)
     print(table_markdown(entries, title, command))

@@ -7,6 +7,7 @@ from typing import Any
 
 from chunkserve.benchlib.metrics import RequestResult, compute_metrics
 from chunkserve.benchlib.step_stats import step_metrics
+from chunkserve.config import DEFAULT_MIN_CHUNK_TOKENS
 from chunkserve.engine.trace import StepRecord
 
 ChunkSize = int | None  # a step budget, or None for the no-chunk baseline ("none" in flags/JSON)
@@ -14,12 +15,34 @@ ChunkSize = int | None  # a step budget, or None for the no-chunk baseline ("non
 
 @dataclass(frozen=True)
 class SweepPoint:
-    chunk_size: ChunkSize
+    chunk_size: ChunkSize  # with chunk_policy "adaptive": the cap of the per-step budget
     scheduler: str
+    chunk_policy: str = "static"
+    target_itl_ms: float | None = None  # adaptive only
+    min_chunk_tokens: int = DEFAULT_MIN_CHUNK_TOKENS  # adaptive only
+    long_prefill_token_threshold: int = 0  # 0: off
 
     def engine_kwargs(self) -> dict[str, Any]:
         # None leaves the budget to EngineConfig.resolve (max_model_len for a no-chunk policy).
-        return dict(scheduler=self.scheduler, max_num_batched_tokens=self.chunk_size)
+        return dict(scheduler=self.scheduler, max_num_batched_tokens=self.chunk_size,
+                    chunk_policy=self.chunk_policy, target_itl_ms=self.target_itl_ms,
+                    min_chunk_tokens=self.min_chunk_tokens,
+                    long_prefill_token_threshold=self.long_prefill_token_threshold)
+
+    @property
+    def adaptive(self) -> bool:
+        return self.chunk_policy == "adaptive"
+
+    def policy_keys(self) -> dict[str, Any]:
+        """results.json keys for what differs from a plain static point (none for one, so
+        that static results keep the keys they always had)."""
+        keys: dict[str, Any] = {}
+        if self.adaptive:
+            keys.update(chunk_policy=self.chunk_policy, target_itl_ms=self.target_itl_ms,
+                        min_chunk_tokens=self.min_chunk_tokens)
+        if self.long_prefill_token_threshold:
+            keys["long_prefill_token_threshold"] = self.long_prefill_token_threshold
+        return keys
 
     @property
     def label(self) -> int | str:
@@ -59,8 +82,15 @@ def parse_chunk_sizes(text: str) -> list[ChunkSize]:
     return sizes
 
 
-def sweep_points(sizes: Sequence[ChunkSize], scheduler: str, baseline: str) -> list[SweepPoint]:
-    return [SweepPoint(s, baseline if s is None else scheduler) for s in sizes]
+def sweep_points(
+    sizes: Sequence[ChunkSize], scheduler: str, baseline: str, chunk_policy: str = "static",
+    target_itl_ms: float | None = None, min_chunk_tokens: int = DEFAULT_MIN_CHUNK_TOKENS,
+) -> list[SweepPoint]:
+    """One point per size. An adaptive sweep sizes chunks under each cap; the no-chunk baseline
+    has no chunk to size and stays static."""
+    return [SweepPoint(None, baseline) if s is None
+            else SweepPoint(s, scheduler, chunk_policy, target_itl_ms, min_chunk_tokens)
+            for s in sizes]
 
 
 def summarize(
@@ -71,6 +101,7 @@ def summarize(
     return {
         "chunk_size": run.point.label,
         "scheduler": run.point.scheduler,
+        **run.point.policy_keys(),
         **metrics,
         **step_metrics(run.records),
         **run.extra,

@@ -36,6 +36,7 @@ class SchedulerOutput:
     kv_stats: KVCacheStats | None = None
     num_running: int = 0
     num_waiting: int = 0
+    token_budget: int = 0  # the step's token budget (static, or the adaptive policy's choice)
     # Prefix-cache lookups of this step's admissions (tokens), and the running totals.
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0

@@ -12,6 +12,9 @@ the simulator drive the very same code. Policies (`SchedulerConfig.scheduler`):
   admitted, else a step of decodes only. Decodes wait for every prefill: head-of-line blocking.
 - ``orca`` (no chunking): decodes plus whole prompts that fit the remaining budget, mixed.
 
+With ``chunk_policy="adaptive"`` each step's budget is the decodes plus a prefill chunk sized
+from a step-time model (core/chunk_budget.py); ``max_num_batched_tokens`` is then the cap.
+
 When a block cannot be allocated the most recently admitted running request is preempted,
 by recompute (KV dropped, it re-prefills prompt + output) or swap (KV copied to host).
 
@@ -26,6 +29,7 @@ from collections import deque
 from dataclasses import replace
 
 from chunkserve.config import CacheConfig, SchedulerConfig
+from chunkserve.core.chunk_budget import StepTimeFn, adaptive_prefill_tokens, check_target
 from chunkserve.core.kv_cache import KVCacheManager, SwapSpace
 from chunkserve.core.request import Request, RequestStatus
 from chunkserve.core.sched_output import ScheduledRequest, SchedulerOutput
@@ -41,6 +45,12 @@ class Scheduler:
     ) -> None:
         # Defaults are decided once, by SchedulerConfig.resolve(); the scheduler only runs them.
         assert config.is_resolved, "the scheduler takes a resolved config (SchedulerConfig.resolve)"
+        # adaptive: resolve() checked that the config carries a step-time model and a target.
+        self.step_time: StepTimeFn | None = None
+        if config.chunk_policy == "adaptive":
+            assert config.step_time is not None and config.target_itl_ms is not None
+            self.step_time = config.step_time
+            check_target(self.step_time, config.target_itl_ms / 1e3)
         self.config = config
         self.cache_config = cache_config
         self.kv = KVCacheManager(
@@ -54,6 +64,7 @@ class Scheduler:
         self._finished_ids: list[str] = []
         # Per-step scratch, reset by schedule().
         self._budget = 0
+        self._step_budget = 0
         self._scheduled: dict[str, ScheduledRequest] = {}
         self._stalled = False  # a running prefill found no memory: admit nobody past it
         self._out = SchedulerOutput(scheduled=[])
@@ -94,7 +105,7 @@ class Scheduler:
 
     # ---- the step -----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        self._budget = self.config.max_num_batched_tokens
+        self._budget = self._step_budget = self._token_budget()
         self._scheduled = {}
         self._stalled = False
         self._out = SchedulerOutput(scheduled=[], finished_req_ids=self._finished_ids)
@@ -124,6 +135,7 @@ class Scheduler:
         out.prefix_cache_stats = replace(self.kv.prefix_stats)
         out.num_running = len(self.running)
         out.num_waiting = len(self.waiting)
+        out.token_budget = self._step_budget
         return out
 
     def _schedule_decodes(self) -> None:
@@ -182,6 +194,35 @@ class Scheduler:
             self._commit(req, n)
 
     # ---- helpers --------------------------------------------------------------------------------
+    def _token_budget(self) -> int:
+        """This step's budget: the static cap, or the decodes plus the adaptive chunk."""
+        cap = self.config.max_num_batched_tokens
+        assert cap is not None  # resolve() filled it
+        if self.step_time is None:
+            return cap
+        decodes = [r for r in self.running if r.status is RequestStatus.RUNNING and r.is_decoding]
+        decodes = decodes[:cap]  # more than the cap cannot run this step anyway
+        prefill = next((r for r in self.running
+                        if r.status is RequestStatus.RUNNING and not r.is_decoding), None)
+        if prefill is None and self.waiting:
+            prefill = self._peek_waiting()
+        if prefill is None:
+            return cap  # decodes only: nothing for the policy to size
+        assert self.config.target_itl_ms is not None
+        chunk = adaptive_prefill_tokens(
+            self.step_time, self.config.target_itl_ms / 1e3, len(decodes),
+            sum(r.num_computed_tokens + 1 for r in decodes), self._prefill_context(prefill),
+            self.config.min_chunk_tokens, cap - len(decodes),
+        )
+        return len(decodes) + chunk
+
+    def _prefill_context(self, req: Request) -> int:
+        """Tokens the request's next chunk attends to: computed ones, plus for a request still
+        waiting the prefix-cache hit it will get at admission (the lookup takes no reference)."""
+        if req.status is RequestStatus.RUNNING or req.swapped_out:
+            return req.num_computed_tokens
+        return req.num_computed_tokens + len(self.kv.get_computed_blocks(req)) * self.kv.block_size
+
     def _apply_hit(self, req: Request, num_hit: int) -> None:
         """An admitted request skips its cached tokens; the lookup is counted once here."""
         if not req.swapped_out and self.kv.enable_caching:

@@ -6,6 +6,8 @@ from typing import Any
 
 from chunkserve.config import (
     ATTENTION_BACKENDS,
+    CHUNK_POLICIES,
+    DEFAULT_MIN_CHUNK_TOKENS,
     DEVICES,
     DTYPES,
     LOAD_FORMATS,
@@ -46,6 +48,8 @@ def add_engine_args(p: argparse.ArgumentParser, model_flag: bool = True) -> None
                    help="default: decode-first when chunking, prefill-first otherwise")
     g.add_argument("--long-prefill-token-threshold", type=int, default=0)
     g.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default="fcfs")
+    add_chunk_policy_args(g)
+    add_cost_model_arg(g)
     c = p.add_argument_group("KV cache")
     c.add_argument("--block-size", type=int, default=16)
     c.add_argument("--kv-cache-memory", type=float, default=None, help="GiB (default 2)")
@@ -57,12 +61,36 @@ def add_engine_args(p: argparse.ArgumentParser, model_flag: bool = True) -> None
     p.add_argument("--trace-file", default=None, help="write one JSON line per engine step")
 
 
+def add_chunk_policy_args(p: argparse._ActionsContainer) -> None:
+    """The adaptive chunk policy's flags, shared by the engine, the server, sim and bench sweep."""
+    p.add_argument("--chunk-policy", choices=CHUNK_POLICIES, default="static",
+                   help="static: every step's budget is --max-num-batched-tokens; adaptive: each "
+                        "step's prefill chunk is sized so the predicted step time stays under "
+                        "--target-itl-ms (--max-num-batched-tokens is then the cap)")
+    p.add_argument("--target-itl-ms", type=float, default=None,
+                   help="adaptive: predicted step time (= decode token gap) to stay under")
+    p.add_argument("--min-chunk-tokens", type=int, default=DEFAULT_MIN_CHUNK_TOKENS,
+                   help="adaptive: the smallest prefill chunk, so prefill always progresses")
+
+
+def add_cost_model_arg(p: argparse._ActionsContainer) -> None:
+    """Where a real engine's adaptive policy gets its step-time model (the simulator has one)."""
+    p.add_argument("--cost-model", default=None,
+                   help="adaptive: a `chunkserve profile` file or a hardware preset (a100-80gb, "
+                        "...); default: the cached profile of this machine "
+                        "($CHUNKSERVE_PROFILE or ~/.cache/chunkserve/profile.json)")
+
+
 ENGINE_KEYS = (
     "model", "dtype", "device", "max_model_len", "seed", "load_format", "attention_backend",
     "enforce_eager", "quantization", "enable_chunked_prefill",
     "max_num_batched_tokens", "max_num_seqs", "scheduler", "long_prefill_token_threshold",
     "scheduling_policy", "block_size", "kv_cache_memory", "num_kv_blocks", "preemption_mode",
-    "swap_space", "trace_file", "enable_prefix_caching",
+    "swap_space", "trace_file", "enable_prefix_caching", "chunk_policy", "target_itl_ms",
+    "min_chunk_tokens",
+    # Not a flag: the adaptive policy's step-time model, which the command line builds from
+    # --cost-model (cli.py; the engine cannot import the simulator's cost models).
+    "step_time",
 )
 
 

@@ -6,8 +6,9 @@ rename or drop one.
 """
 from __future__ import annotations
 
+import gzip
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, fields
 from typing import IO
 
 from chunkserve.core.sched_output import SchedulerOutput
@@ -34,6 +35,14 @@ class StepRecord:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     prefix_cache_hit_rate: float = 0.0
+    # Added by issue 14 (defaults let older traces load):
+    token_budget: int | None = None  # the step's token budget: max_num_batched_tokens, or the
+    # adaptive chunk policy's choice for this step
+    # [request_id, tokens, cached before] per prefill in the step: names the request behind a
+    # long step (decodes are left out: one token each, and there can be hundreds). "Cached
+    # before" is the chunk's start: earlier chunks plus, on a request's first chunk, its
+    # prefix-cache hit (those tokens were never computed in any step).
+    prefill_requests: list[list] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -62,6 +71,11 @@ def step_record(step: int, start: float, duration: float, out: SchedulerOutput) 
         prefix_cache_queries=out.prefix_cache_queries,
         prefix_cache_hits=out.prefix_cache_hits,
         prefix_cache_hit_rate=out.prefix_cache_stats.hit_rate if out.prefix_cache_stats else 0.0,
+        token_budget=out.token_budget,
+        prefill_requests=[
+            [s.request.request_id, s.num_new_tokens, s.start] for s in out.scheduled
+            if not s.is_decode
+        ],
     )
 
 
@@ -74,7 +88,7 @@ class StepTrace:
 
     def add(self, record: StepRecord) -> None:
         if self._file is not None:
-            self._file.write(json.dumps(asdict(record)) + "\n")
+            self._file.write(_line(record))
 
     def close(self) -> None:
         if self._file is not None:
@@ -82,6 +96,31 @@ class StepTrace:
             self._file = None
 
 
+def _line(record: StepRecord) -> str:
+    return json.dumps(asdict(record)) + "\n"
+
+
+def write_trace(path: str, records: list[StepRecord]) -> None:
+    with (gzip.open(path, "wt") if path.endswith(".gz") else open(path, "w")) as f:
+        for record in records:
+            f.write(_line(record))
+
+
+_FIELDS = {f.name for f in fields(StepRecord)}
+
+
 def read_trace(path: str) -> list[StepRecord]:
-    with open(path) as f:
-        return [StepRecord(**json.loads(line)) for line in f if line.strip()]
+    """Every record of a JSONL trace; a ValueError naming the line for anything else."""
+    records = []
+    with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                data = json.loads(line)
+                # Fields added by a newer version are dropped rather than refused (docs/trace.md:
+                # fields are only ever added), so an old reader still reads a new trace.
+                records.append(StepRecord(**{k: v for k, v in data.items() if k in _FIELDS}))
+            except (json.JSONDecodeError, TypeError, AttributeError, UnicodeDecodeError) as e:
+                raise ValueError(f"{path}:{lineno}: not a step record ({e})") from None
+    return records

@@ -6,9 +6,15 @@ import os
 import shlex
 import sys
 
-from chunkserve.benchlib.args import add_sweep_args, check_fits, check_sweep_args, workload_lengths
+from chunkserve.benchlib.args import (
+    add_sweep_args,
+    check_fits,
+    check_sweep_args,
+    points_from_args,
+    workload_lengths,
+)
 from chunkserve.benchlib.report import sweep_and_report
-from chunkserve.benchlib.sweep import SweepPoint, parse_chunk_sizes, sweep_points
+from chunkserve.benchlib.sweep import SweepPoint
 from chunkserve.benchlib.workloads import BenchRequest, arrival_times
 from chunkserve.sim.cost_model import (
     ATTENTION_BACKENDS,
@@ -73,7 +79,7 @@ def run_sim(args: argparse.Namespace, measure_real_runs: MeasureRealRuns | None 
     config = SimConfig(max_model_len=max_len, num_kv_blocks=blocks, block_size=args.block_size,
                        max_num_seqs=args.max_num_seqs,
                        enable_prefix_caching=args.enable_prefix_caching)
-    points = sweep_points(parse_chunk_sizes(args.chunk_sizes), args.scheduler, args.baseline)
+    points = points_from_args(args)
     rate = args.request_rate
     if args.load is not None:
         rate = args.load * simulated_capacity(points, config, cost, requests)

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from chunkserve.core.chunk_budget import PlannedStep, StepTimeFn
 from chunkserve.core.sched_output import ScheduledRequest, SchedulerOutput
 from chunkserve.sim.specs import HardwareSpec, ModelSpec
 
@@ -81,6 +82,20 @@ class CostModel(Protocol):
 
 def step_time(model: CostModel, shape: StepShape) -> float:
     return sum(model.breakdown(shape).values())
+
+
+def planned_shape(step: PlannedStep) -> StepShape:
+    """A planned step as a shape: decode context spread evenly (every model here sums it), the
+    chunk as one prefill that samples (the dearer case: it may finish its prompt)."""
+    n = step.num_decodes
+    contexts = [step.decode_context // n + (i < step.decode_context % n) for i in range(n)]
+    prefill = [(step.num_prefill_tokens, step.prefill_context)] if step.num_prefill_tokens else []
+    return StepShape(prefill, contexts, n + int(bool(prefill)))
+
+
+def planned_step_time(model: CostModel) -> StepTimeFn:
+    """The scheduler's step-time callable (core/chunk_budget.py) for a cost model."""
+    return lambda step: step_time(model, planned_shape(step))
 
 
 @dataclass

@@ -17,7 +17,7 @@ from chunkserve.engine.clock import VirtualClock
 from chunkserve.engine.llm_engine import LLMEngine
 from chunkserve.engine.processor import Processor
 from chunkserve.sim.cost_executor import CostModelExecutor
-from chunkserve.sim.cost_model import CostModel
+from chunkserve.sim.cost_model import CostModel, planned_step_time
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,8 @@ def sim_engine(point: SweepPoint, config: SimConfig, cost_model: CostModel,
         block_size=config.block_size, num_kv_blocks=config.num_kv_blocks,
         preemption_mode=config.preemption_mode,
         enable_prefix_caching=config.enable_prefix_caching, **point.engine_kwargs(),
+        # The adaptive policy plans with the very cost model that times the steps.
+        **({"step_time": planned_step_time(cost_model)} if point.adaptive else {}),
     ).resolve(config.max_model_len)
     executor = CostModelExecutor(cost_model, clock, config.num_kv_blocks, config.num_swap_blocks)
     # No tokenizer (outputs carry no text) and no vocabulary check (placeholder tokens).

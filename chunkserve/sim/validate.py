@@ -263,6 +263,9 @@ def run_validation(args: argparse.Namespace, measure_real_runs: MeasureRealRuns 
     if not os.path.isfile(args.hardware):
         raise ValueError("--validate compares against this machine: --hardware must be a "
                          "profile file written here by `chunkserve profile`")
+    if args.chunk_policy != "static":
+        raise ValueError("--validate scores static chunk sizes; run it without --chunk-policy "
+                         "adaptive (its saved real runs are static)")
     prof = load_profile(args.hardware)
     cost = LinearCostModel(prof["coefficients"], prof["name"])
     if args.real_runs:
