@@ -23,6 +23,7 @@ ALLOWED = {
     "benchlib": {"core", "engine", "config", "sampling_params", "outputs"},
     "sim": {"benchlib", "core", "engine", "config", "sampling_params", "outputs", "presets"},
     "serve": {"core", "engine", "model", "config", "sampling_params", "outputs", "__init__"},
+    "diagnose": {"engine"},  # it reads step traces (engine/trace.py), nothing else
     "bench": {"benchlib", "sim", "core", "engine", "model", "config", "sampling_params",
               "outputs", "presets"},
     **{leaf: set() for leaf in LEAVES},
