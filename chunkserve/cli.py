@@ -79,6 +79,13 @@ def build_parser() -> argparse.ArgumentParser:
     diag = sub.add_parser("diagnose", help="attribute the slowest token gaps of a step trace")
     add_diagnose_args(diag)
     diag.set_defaults(func=run_diagnose)
+
+    from chunkserve.tune.cli import add_tune_args
+
+    tune = sub.add_parser("tune", help="recommend chunking flags for a workload and SLOs "
+                                       "(searched on the simulator)")
+    add_tune_args(tune)
+    tune.set_defaults(func=_tune)
     return parser
 
 
@@ -103,6 +110,17 @@ def _sim(args: argparse.Namespace) -> int:
 
         return run_sim(args, measure_real_runs)
     return run_sim(args)
+
+
+def _tune(args: argparse.Namespace) -> int:
+    from chunkserve.tune.cli import run_tune
+
+    # --verify's real runs need the model: the benchmarks make them, tune compares.
+    if args.verify:
+        from chunkserve.bench.tune_runs import measure_tune_runs
+
+        return run_tune(args, measure_tune_runs)
+    return run_tune(args)
 
 
 def _profile(args: argparse.Namespace) -> int:

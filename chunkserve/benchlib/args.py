@@ -65,22 +65,32 @@ def add_workload_args(
                    help="gamma shape of arrival gaps: 1 Poisson, <1 burstier, >1 steadier")
 
 
-def add_sweep_args(p: argparse.ArgumentParser) -> None:
-    """What `bench sweep` and `sim` add to the workload: the configurations and the report."""
-    add_workload_args(p, dataset_name="mixed", num_prompts=100)
+def add_rate_args(p: argparse.ArgumentParser) -> None:
+    """The arrival rate: absolute, or a fraction of the measured (or simulated) capacity."""
     rate = p.add_mutually_exclusive_group()
     rate.add_argument("--request-rate", type=float, default=None, help="req/s; inf = all at once")
     rate.add_argument("--load", type=float, default=None,
                       help="arrival rate as a fraction of measured capacity (e.g. 0.7)")
-    p.add_argument("--chunk-sizes", default="none,32,64,128,256,512,1024,2048")
-    p.add_argument("--baseline", choices=NO_CHUNK_SCHEDULERS, default="prefill-first",
-                   help="scheduler for the 'none' (no chunking) configuration")
-    p.add_argument("--scheduler", choices=CHUNKED_SCHEDULERS, default="decode-first")
+
+
+def add_engine_shape_args(p: argparse.ArgumentParser) -> None:
+    """The engine settings every configuration of a sweep (or a tune search) shares."""
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-kv-blocks", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse cached KV of shared prefixes (vLLM V1: on)")
+
+
+def add_sweep_args(p: argparse.ArgumentParser) -> None:
+    """What `bench sweep` and `sim` add to the workload: the configurations and the report."""
+    add_workload_args(p, dataset_name="mixed", num_prompts=100)
+    add_rate_args(p)
+    p.add_argument("--chunk-sizes", default="none,32,64,128,256,512,1024,2048")
+    p.add_argument("--baseline", choices=NO_CHUNK_SCHEDULERS, default="prefill-first",
+                   help="scheduler for the 'none' (no chunking) configuration")
+    p.add_argument("--scheduler", choices=CHUNKED_SCHEDULERS, default="decode-first")
+    add_engine_shape_args(p)
     p.add_argument("--percentiles", default="50,90,99", help="metric percentiles to report")
     p.add_argument("--goodput", nargs="*", default=None, help="SLOs like ttft:2000 tpot:100 e2el:20000")
     add_chunk_policy_args(p)  # adaptive: --chunk-sizes are the caps; 'none' stays static

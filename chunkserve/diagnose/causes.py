@@ -89,9 +89,13 @@ def culprit(cause: str, gap: Gap, records: Sequence[StepRecord],
             return attention_work(r, True) if after else r.num_prefill_tokens
 
         i = max(window, key=weight)
-        entries = [e for e in records[i].prefill_requests if (e[2] > 0) == after] or \
-            records[i].prefill_requests
-        rid, n, cached = max(entries, key=lambda e: e[1] * (e[2] + e[1] / 2)) if entries else (
+        entries = records[i].prefill_requests
+        if after:  # the chunk whose attention over cached context is the largest
+            entries = [e for e in entries if e[2] > 0] or entries
+            key = lambda e: e[1] * (e[2] + e[1] / 2)  # noqa: E731
+        else:  # the largest prefill, first chunk or late one: its tokens are the stall
+            key = lambda e: e[1]  # noqa: E731
+        rid, n, cached = max(entries, key=key) if entries else (
             None, records[i].num_prefill_tokens, 0)
         return {"step": records[i].step, "request_id": rid, "tokens": n, "cached": cached,
                 "step_ms": records[i].duration * 1e3, "decodes": gap.count}

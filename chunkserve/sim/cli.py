@@ -5,6 +5,7 @@ import argparse
 import os
 import shlex
 import sys
+from collections.abc import Callable
 
 from chunkserve.benchlib.args import (
     add_sweep_args,
@@ -23,23 +24,13 @@ from chunkserve.sim.cost_model import (
     RooflineCostModel,
 )
 from chunkserve.sim.fit import load_profile
-from chunkserve.sim.simulator import SimConfig, simulate
+from chunkserve.sim.simulator import SimConfig, Workbench, simulate
 from chunkserve.sim.specs import get_hardware, get_model
 from chunkserve.sim.validate import MeasureRealRuns, run_validation
 
 
 def add_sim_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--hardware", required=True,
-                   help="a GPU preset (a100-80gb, a100-40gb, h100-sxm, h200, l4, a6000) or a "
-                        "profile file written by `chunkserve profile`")
-    p.add_argument("--model", default="llama-3-8b",
-                   help="a preset (llama-3-8b, llama-3-70b, llama-2-13b, mistral-7b, "
-                        "smollm2-135m) or a HF config.json")
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    p.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="fused",
-                   help="fused: prefill+decode in one call (mixed-batch penalty); split: two "
-                        "calls; pod: POD-Attention-style overlap")
-    p.add_argument("--max-model-len", type=int, default=None)
+    add_target_args(p)
     p.add_argument("--validate", action="store_true",
                    help="also run the real engine on the same workload (needs --hardware to be "
                         "a profile of this machine) and report the simulator's relative errors")
@@ -52,6 +43,21 @@ def add_sim_args(p: argparse.ArgumentParser) -> None:
                         "pooled) instead of running the engine; workload and chunk sizes come "
                         "from the files")
     add_sweep_args(p)
+
+
+def add_target_args(p: argparse.ArgumentParser) -> None:
+    """What is simulated: the hardware (or this machine's profile) and the model on it."""
+    p.add_argument("--hardware", required=True,
+                   help="a GPU preset (a100-80gb, a100-40gb, h100-sxm, h200, l4, a6000) or a "
+                        "profile file written by `chunkserve profile`")
+    p.add_argument("--model", default="llama-3-8b",
+                   help="a preset (llama-3-8b, llama-3-70b, llama-2-13b, mistral-7b, "
+                        "smollm2-135m) or a HF config.json")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="fused",
+                   help="fused: prefill+decode in one call (mixed-batch penalty); split: two "
+                        "calls; pod: POD-Attention-style overlap")
+    p.add_argument("--max-model-len", type=int, default=None)
 
 
 def build_cost_model(args: argparse.Namespace) -> tuple[CostModel, int, int]:
@@ -73,35 +79,40 @@ def run_sim(args: argparse.Namespace, measure_real_runs: MeasureRealRuns | None 
     check_sweep_args(args)
     if args.validate:
         return run_validation(args, measure_real_runs)
+    points = points_from_args(args)
+    chunked = any(p.chunk_size is not None for p in points)
+    bench = sim_workbench(args, args.scheduler if chunked else "decode-first")
+    rate = bench.rate
+    extra = {"request_rate": rate if rate != float("inf") else "inf",
+             "num_prompts": len(bench.requests), "dataset_name": args.dataset_name,
+             "simulated": True, "hardware": args.hardware, "model": args.model}
+    command = "chunkserve sim " + " ".join(shlex.quote(a) for a in sys.argv[2:])
+    title = (f"Simulated chunk-size sweep: {args.model} on {args.hardware}, {args.dataset_name}, "
+             f"{len(bench.requests)} requests")
+    return sweep_and_report(points, bench.run, extra, args, title, command)
+
+
+def sim_workbench(args: argparse.Namespace, scheduler: str = "decode-first",
+                  log: Callable[[str], None] = print) -> Workbench:
+    """The flags' workload, cost model and arrivals (--load: a fraction of the capacity
+    simulated under `scheduler`), shared by `sim` and `tune`."""
     cost, blocks, max_len = build_cost_model(args)
     requests = workload_lengths(args)
     check_fits(requests, max_len)
     config = SimConfig(max_model_len=max_len, num_kv_blocks=blocks, block_size=args.block_size,
                        max_num_seqs=args.max_num_seqs,
                        enable_prefix_caching=args.enable_prefix_caching)
-    points = points_from_args(args)
     rate = args.request_rate
     if args.load is not None:
-        rate = args.load * simulated_capacity(points, config, cost, requests)
-        print(f"simulated capacity -> --load {args.load} = {rate:.3f} req/s")
+        rate = args.load * simulated_capacity(scheduler, config, cost, requests)
+        log(f"simulated capacity -> --load {args.load} = {rate:.3f} req/s")
     rate = float("inf") if rate is None else rate
     arrivals = arrival_times(len(requests), rate, args.burstiness, args.seed)
-    extra = {"request_rate": rate if rate != float("inf") else "inf",
-             "num_prompts": len(requests), "dataset_name": args.dataset_name,
-             "simulated": True, "hardware": args.hardware, "model": args.model}
-    command = "chunkserve sim " + " ".join(shlex.quote(a) for a in sys.argv[2:])
-    title = (f"Simulated chunk-size sweep: {args.model} on {args.hardware}, {args.dataset_name}, "
-             f"{len(requests)} requests")
-    return sweep_and_report(
-        points, lambda p: simulate(p, config, cost, requests, arrivals), extra, args, title,
-        command,
-    )
+    return Workbench(config, cost, requests, arrivals, rate)
 
 
-def simulated_capacity(points: list[SweepPoint], config: SimConfig, cost: CostModel,
+def simulated_capacity(scheduler: str, config: SimConfig, cost: CostModel,
                        requests: list[BenchRequest]) -> float:
     """Requests/s when everything arrives at once, at a 2048-token budget (vLLM's default)."""
-    point = next((p for p in points if p.chunk_size is not None),
-                 SweepPoint(2048, "decode-first"))
-    run = simulate(SweepPoint(2048, point.scheduler), config, cost, requests, [0.0] * len(requests))
+    run = simulate(SweepPoint(2048, scheduler), config, cost, requests, [0.0] * len(requests))
     return len(requests) / run.duration

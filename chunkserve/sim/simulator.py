@@ -48,6 +48,21 @@ def sim_engine(point: SweepPoint, config: SimConfig, cost_model: CostModel,
     return LLMEngine(engine_config, executor, processor, clock.time)
 
 
+@dataclass
+class Workbench:
+    """A workload ready to simulate: what every configuration of a sweep or a search runs on
+    (the same requests at the same arrival times)."""
+
+    config: SimConfig
+    cost: CostModel
+    requests: Sequence[BenchRequest]
+    arrivals: Sequence[float]
+    rate: float  # req/s of the arrivals (inf: all at once)
+
+    def run(self, point: SweepPoint) -> RunResult:
+        return simulate(point, self.config, self.cost, self.requests, self.arrivals)
+
+
 def simulate(
     point: SweepPoint,
     config: SimConfig,

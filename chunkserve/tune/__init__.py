@@ -1,0 +1,1 @@
+"""`chunkserve tune`: the chunking configuration for a model, hardware, workload and SLOs."""

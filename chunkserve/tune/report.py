@@ -1,0 +1,70 @@
+"""`chunkserve tune`'s answer: a plain dict (the --json output) and its text form."""
+from __future__ import annotations
+
+from typing import Any
+
+from chunkserve.tune.search import TIE, Evaluated, TuneResult, worst_ratio
+from chunkserve.tune.slo import meets, objective_value
+from chunkserve.tune.space import describe, kind
+
+RUNNERS_UP = 5
+METRIC_KEYS = ("median_ttft_ms", "p99_ttft_ms", "p99_tpot_ms", "p99_itl_ms", "max_itl_ms",
+               "output_throughput", "request_throughput", "request_goodput", "num_preemptions",
+               "mean_tokens_per_step")
+
+
+def candidate(e: Evaluated, slos: dict[str, float], objective: str) -> dict[str, Any]:
+    return {
+        "config": describe(e.point), "kind": kind(e.point), "chunk_size": e.point.chunk_size,
+        "scheduler": e.point.scheduler, **e.point.policy_keys(), "budget": e.budget,
+        "meets_slos": meets(e.entry, slos), "worst_slo_ratio": worst_ratio(e, slos),
+        "objective_value": objective_value(e.entry, objective),
+        **{k: e.entry.get(k) for k in METRIC_KEYS},
+    }
+
+
+def tune_dict(result: TuneResult, slos: dict[str, float], objective: str,
+              why: dict[str, Any], lines: dict[str, Any]) -> dict[str, Any]:
+    ranked = [candidate(e, slos, objective) for e in result.ranked]
+    return {"objective": objective, "slos_ms": slos, "recommendation": ranked[0],
+            "commands": lines, "why": why, "runners_up": ranked[1:1 + RUNNERS_UP],
+            "tied": result.tied, "all": ranked, "skipped": result.skipped}
+
+
+def _metrics(c: dict[str, Any]) -> str:
+    goodput = "–" if c["request_goodput"] is None else f"{c['request_goodput']:.2f}"
+    return (f"TTFT p50/p99 {c['median_ttft_ms']:,.0f}/{c['p99_ttft_ms']:,.0f} ms, TPOT p99 "
+            f"{c['p99_tpot_ms']:.1f} ms, ITL p99 {c['p99_itl_ms']:.1f} ms, max gap "
+            f"{c['max_itl_ms']:,.0f} ms, {c['output_throughput']:,.0f} tok/s, goodput "
+            f"{goodput} req/s, {c['num_preemptions']} preemptions")
+
+
+def _bound_lines(b: dict[str, Any] | None, side: str) -> list[str]:
+    if b is None:
+        return [f"  {side}: nothing {'smaller' if side == 'below' else 'larger'} was tried"]
+    worse = "; ".join(b["worse"]) or "no metric worse by more than 1%"
+    return [f"  {side}: {b['config']} is bounded by {b['condition']}",
+            f"    worse: {worse}", f"    because: {b['numbers']}"]
+
+
+def format_text(d: dict[str, Any]) -> str:
+    r, why, cmd = d["recommendation"], d["why"], d["commands"]
+    slos = ", ".join(f"{k} ≤ {v:g} ms" for k, v in d["slos_ms"].items()) or "none"
+    verdict = "meets every SLO" if r["meets_slos"] else "meets NO configuration's SLOs: closest"
+    lines = [f"objective: {d['objective']}; SLOs: {slos}",
+             f"recommendation: {r['config']} ({verdict})", f"  predicted: {_metrics(r)}"]
+    if d["tied"] > 1:
+        lines.append(f"  ({d['tied']} configurations are within {TIE:.0%} of the best "
+                     f"{d['objective']}: this is the simplest, then the one with the most SLO "
+                     "headroom)")
+    lines += [f"  {cmd['chunkserve']}", f"  {cmd['vllm']}"]
+    lines += [f"  ({cmd['vllm_note']})"] if cmd.get("vllm_note") else []
+    p = why["pick"]
+    lines += ["", "why:", f"  at the pick the worst token gap is {p['max_gap_ms']:,.0f} ms "
+              f"({p['cause']}): {p['why']}"]
+    lines += _bound_lines(why["below"], "below") + _bound_lines(why["above"], "above")
+    lines += ["", "runners-up:"]
+    lines += [f"  {c['config']}{'' if c['meets_slos'] else ' (misses an SLO)'}: {_metrics(c)}"
+              for c in d["runners_up"]]
+    lines += [f"skipped: {s}" for s in d["skipped"]]
+    return "\n".join(lines)
