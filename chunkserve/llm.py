@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from chunkserve.engine.llm_engine import LLMEngine
 from chunkserve.model.factory import LoadedModel
 from chunkserve.outputs import RequestOutput
-from chunkserve.sampling_params import SamplingParams
+from chunkserve.sampling_params import RequestOutputKind, SamplingParams
 
 Prompt = str | list[int]
 
@@ -40,6 +41,8 @@ class LLM:
             if len(params) != len(prompts):
                 raise ValueError("prompts and sampling_params must have the same length")
 
+        # Only finished outputs are returned: the engine need not build one per token.
+        params = [replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params]
         ids: list[str] = []
         try:
             for prompt, p in zip(prompts, params):

@@ -4,6 +4,7 @@ A leaf module: it imports nothing from chunkserve, so `core/` may depend on it.
 """
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass, field
 
@@ -11,6 +12,13 @@ from dataclasses import dataclass, field
 # the whole engine step ("Overflow when unpacking long long"). vLLM bounds `seed` the same way.
 INT64_MIN = -(1 << 63)
 INT64_MAX = (1 << 63) - 1
+
+
+class RequestOutputKind(enum.Enum):
+    """When the engine hands a request's output back (vLLM's names)."""
+
+    CUMULATIVE = 0  # every step that samples a token: the whole output so far (streaming)
+    FINAL_ONLY = 2  # once, when the request finishes: offline generation and benchmarks
 
 
 @dataclass
@@ -26,6 +34,7 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Greedy when temperature is ~0; kept as a property so there is one source of truth.
 
     stop_strings: list[str] = field(init=False, repr=False, default_factory=list)

@@ -251,3 +251,24 @@ def test_explicit_cpu_device(tiny):
     llm = make_llm(tiny)
     assert llm.engine.executor.kv_cache.device.type == "cpu"  # type: ignore[attr-defined]
     assert tiny.model.device.type == "cpu"
+
+
+def test_final_only_outputs_come_once_with_the_whole_result(tiny):
+    """RequestOutputKind.FINAL_ONLY (what generate() and the benchmarks use): no output per
+    token, one at the end that equals the streamed request's last output."""
+    from chunkserve.sampling_params import RequestOutputKind
+
+    engine = make_llm(tiny).engine
+    engine.add_request("stream", PROMPT, greedy(5, logprobs=1))
+    engine.add_request("final", PROMPT, greedy(5, logprobs=1,
+                                              output_kind=RequestOutputKind.FINAL_ONLY))
+    seen: dict[str, list] = {"stream": [], "final": []}
+    while engine.has_unfinished_requests():
+        for out in engine.step().outputs:
+            seen[out.request_id].append(out)
+    assert len(seen["stream"]) == 5 and len(seen["final"]) == 1
+    last, final = seen["stream"][-1], seen["final"][0]
+    assert final.finished and final.outputs[0].token_ids == last.outputs[0].token_ids
+    assert final.outputs[0].text == last.outputs[0].text and final.outputs[0].delta_text == \
+        final.outputs[0].text
+    assert len(final.outputs[0].logprobs) == 5 and len(final.metrics.token_times) == 5

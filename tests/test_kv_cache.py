@@ -470,3 +470,41 @@ def test_placement_falls_back_when_no_run_is_long_enough() -> None:
     kv.free("b")
     assert kv.allocate_slots("d", 3, expected_tokens=100) is not None
     assert kv.stats().num_free_blocks == 1
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    used=st.sets(st.integers(0, 47)),
+    length=st.integers(1, 12),
+    cursor=st.integers(0, 47),
+)
+def test_find_run_matches_a_plain_scan(used: set[int], length: int, cursor: int) -> None:
+    """The skipping search returns the first run a block-by-block scan finds: from the cursor
+    on, then from 0."""
+    pool = BlockPool(48)
+    pool._free -= used
+    pool._cursor = cursor
+
+    def plain(lo: int) -> int | None:
+        run = 0
+        for block in range(lo, 48):
+            run = run + 1 if block not in used else 0
+            if run == length:
+                return block - length + 1
+        return None
+
+    expected = plain(cursor)
+    assert pool._find_run(length) == (plain(0) if expected is None else expected)
+
+
+def test_fragmentation_stat_follows_allocations_and_frees() -> None:
+    """stats() keeps running totals; they must equal a walk over the tables."""
+    kv = KVCacheManager(num_blocks=32, block_size=4)
+    kv.allocate_slots("a", 5)
+    kv.allocate_slots("b", 9)
+    kv.allocate_slots("a", 6)
+    assert kv.stats().internal_fragmentation == (2 + 3) * 4 - (6 + 9)
+    kv.free("a")
+    assert kv.stats().internal_fragmentation == 3 * 4 - 9
+    kv.free("b")
+    assert kv.stats().internal_fragmentation == 0

@@ -17,7 +17,7 @@ from chunkserve.engine.clock import Clock
 from chunkserve.engine.llm_engine import LLMEngine, StepResult
 from chunkserve.engine.trace import StepRecord
 from chunkserve.outputs import RequestOutput
-from chunkserve.sampling_params import SamplingParams
+from chunkserve.sampling_params import RequestOutputKind, SamplingParams
 
 
 def result_from_output(out: RequestOutput, start_offset: float) -> RequestResult:
@@ -59,7 +59,8 @@ def replay(
         while nxt < len(order) and start + arrivals[order[nxt]] <= now:
             i = order[nxt]
             req = requests[i]
-            params = SamplingParams(max_tokens=req.output_len, temperature=0.0, ignore_eos=True)
+            params = SamplingParams(max_tokens=req.output_len, temperature=0.0, ignore_eos=True,
+                                    output_kind=RequestOutputKind.FINAL_ONLY)
             engine.add_request(f"r{i}", req.prompt_token_ids, params, start + arrivals[i])
             nxt += 1
         if engine.has_unfinished_requests():

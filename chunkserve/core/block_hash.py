@@ -24,12 +24,19 @@ ROOT_HASH: BlockHash = hashlib.sha256(b"chunkserve prefix cache v1").digest()
 def hash_block_tokens(
     parent: BlockHash, token_ids: Sequence[int], extra_keys: tuple[object, ...] = ()
 ) -> BlockHash:
-    h = hashlib.sha256(parent)
+    return _hash_block_bytes(parent, _token_bytes(token_ids), extra_keys)
+
+
+def _token_bytes(token_ids: Sequence[int]) -> bytes:
     # 8 bytes per id ('q'): token ids of any vocabulary fit, and the encoding is unambiguous.
-    h.update(array("q", token_ids).tobytes())
-    if extra_keys:
-        h.update(repr(extra_keys).encode())
-    return h.digest()
+    return array("q", token_ids).tobytes()
+
+
+def _hash_block_bytes(
+    parent: BlockHash, token_bytes: bytes, extra_keys: tuple[object, ...]
+) -> BlockHash:
+    extra = repr(extra_keys).encode() if extra_keys else b""
+    return hashlib.sha256(parent + token_bytes + extra).digest()
 
 
 def extend_block_hashes(
@@ -42,10 +49,14 @@ def extend_block_hashes(
     """Appends to `hashes` (a request's, kept across steps) until it covers `num_blocks` full
     blocks of `token_ids`. Tokens only ever get appended, so earlier hashes never change."""
     num_blocks = min(num_blocks, len(token_ids) // block_size)
+    first = len(hashes)
+    if num_blocks <= first:
+        return hashes
     parent = hashes[-1] if hashes else ROOT_HASH
-    for i in range(len(hashes), num_blocks):
-        parent = hash_block_tokens(
-            parent, token_ids[i * block_size : (i + 1) * block_size], extra_keys
-        )
+    # One conversion for all the new blocks (converting ids is dearer than hashing them).
+    data = _token_bytes(token_ids[first * block_size : num_blocks * block_size])
+    width = 8 * block_size  # bytes per block
+    for i in range(num_blocks - first):
+        parent = _hash_block_bytes(parent, data[i * width : (i + 1) * width], extra_keys)
         hashes.append(parent)
     return hashes

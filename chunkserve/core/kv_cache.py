@@ -86,14 +86,20 @@ class BlockPool:
 
         O(num_blocks) at worst, and only called when a request gets its first block.
         """
-        if length > len(self._free):  # with prefix caching most free blocks are evictable
+        free = self._free
+        if length > len(free):  # with prefix caching most free blocks are evictable
             return None
         for lo in (self._cursor, 0):
-            run = 0
-            for block in range(lo, self.num_blocks):
-                run = run + 1 if block in self._free else 0
-                if run == length:
-                    return block - length + 1
+            start = lo
+            while start + length <= self.num_blocks:
+                # Check the window from its end: a used block at `last` rules out every window
+                # that contains it, so the next candidate starts right after it.
+                last = start + length - 1
+                while last >= start and last in free:
+                    last -= 1
+                if last < start:
+                    return start
+                start = last + 1
         return None
 
     def give_back(self, blocks: list[int]) -> None:
@@ -151,8 +157,11 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks)
         self.block_tables: dict[str, list[int]] = {}
-        # Tokens whose KV is (or is being, this step) written; for the fragmentation stat.
+        # Tokens whose KV is (or is being, this step) written; for the fragmentation stat,
+        # with running totals so that stats() does not walk every table each step.
         self._num_stored: dict[str, int] = {}
+        self._total_stored = 0
+        self._total_table_blocks = 0
         # Leading blocks of each table already offered to the index (so each is hashed once).
         self._num_indexed: dict[str, int] = {}
         self.prefix_stats = PrefixCacheStats()
@@ -211,13 +220,13 @@ class KVCacheManager:
         table = self.block_tables.get(request_id)
         if not computed_blocks and table and len(table) * self.block_size >= num_tokens:
             # Most calls: a decode whose last block still has room. Nothing to take.
-            self._num_stored[request_id] = num_tokens
+            self._set_stored(request_id, num_tokens)
             return []
         hits = computed_blocks or []
         assert not hits or request_id not in self.block_tables, "hits only start a table"
         need = max(0, self.blocks_needed(request_id, num_tokens) - len(hits))
         # A hit on an evictable block takes it out of the free pool too.
-        revived = sum(1 for b in hits if self.pool.ref_cnt[b] == 0)
+        revived = sum(1 for b in hits if self.pool.ref_cnt[b] == 0) if hits else 0
         if need + revived > self.pool.num_free:
             return None
         table = self.block_tables.setdefault(request_id, [])
@@ -228,8 +237,13 @@ class KVCacheManager:
         room = None if expected_tokens is None else -(-expected_tokens // self.block_size)
         new = self.pool.take(need, table[-1] if table else None, room)
         table.extend(new)
-        self._num_stored[request_id] = num_tokens
+        self._total_table_blocks += len(hits) + len(new)
+        self._set_stored(request_id, num_tokens)
         return new
+
+    def _set_stored(self, request_id: str, num_tokens: int) -> None:
+        self._total_stored += num_tokens - self._num_stored.get(request_id, 0)
+        self._num_stored[request_id] = num_tokens
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         """Indexes the request's blocks that are full once its first `num_tokens` tokens have
@@ -259,7 +273,8 @@ class KVCacheManager:
 
     def free(self, request_id: str) -> list[int]:
         table = self.block_tables.pop(request_id, [])
-        self._num_stored.pop(request_id, None)
+        self._total_stored -= self._num_stored.pop(request_id, 0)
+        self._total_table_blocks -= len(table)
         self._num_indexed.pop(request_id, None)
         # Reverse order, as vLLM does: a request's tail blocks, the least likely to be shared,
         # become evictable first, so they are evicted before its head blocks.
@@ -277,13 +292,13 @@ class KVCacheManager:
         used = self.num_blocks - self.pool.num_free
         # Per request, the unused slots of its tables: shared blocks are full, so this is the
         # private last blocks' empty slots, never double-counted.
-        slots = sum(len(t) for t in self.block_tables.values()) * self.block_size
+        slots = self._total_table_blocks * self.block_size
         return KVCacheStats(
             num_blocks=self.num_blocks,
             num_used_blocks=used,
             num_free_blocks=self.pool.num_free,
             usage=used / self.num_blocks,
-            internal_fragmentation=slots - sum(self._num_stored.values()),
+            internal_fragmentation=slots - self._total_stored,
         )
 
 

@@ -80,7 +80,9 @@ class Request:
 
     @property
     def is_decoding(self) -> bool:
-        return self.num_output_tokens > 0 and self.num_tokens - self.num_computed_tokens == 1
+        # Spelled out with len(): this runs for every running request in every step.
+        return (len(self.output_token_ids) > 0
+                and len(self.all_token_ids) - self.num_computed_tokens == 1)
 
     @property
     def num_uncomputed_tokens(self) -> int:

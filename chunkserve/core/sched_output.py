@@ -7,18 +7,16 @@ from chunkserve.core.kv_cache import KVCacheStats, PrefixCacheStats
 from chunkserve.core.request import Request
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledRequest:
     request: Request
     num_new_tokens: int
     start: int  # num_computed_tokens before this step: the first new token's position
     is_decode: bool
     block_table: list[int]  # the manager's live table (already grown for this step)
-
-    @property
-    def samples(self) -> bool:
-        """Whether this step catches the request up, so that it yields a new token."""
-        return self.start + self.num_new_tokens == self.request.num_tokens
+    # Whether this step catches the request up, so that it yields a new token. Decided when
+    # scheduled (start + num_new_tokens == num_tokens then): the token count grows afterwards.
+    samples: bool
 
     @property
     def token_ids(self) -> list[int]:

@@ -263,15 +263,17 @@ class Scheduler:
 
     def _commit(self, req: Request, n: int) -> None:
         rid = req.request_id
+        start = req.num_computed_tokens
         self._scheduled[rid] = ScheduledRequest(
             request=req,
             num_new_tokens=n,
-            start=req.num_computed_tokens,
+            start=start,
             is_decode=req.is_decoding,
             block_table=self.kv.block_tables[rid],
+            samples=start + n == len(req.all_token_ids),
         )
         # Optimistic, as in vLLM: the tokens count as computed once scheduled.
-        req.num_computed_tokens += n
+        req.num_computed_tokens = start + n
         self._budget -= n
         self.kv.cache_blocks(req, req.num_computed_tokens)
 
@@ -334,14 +336,15 @@ class Scheduler:
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         params = req.sampling_params
-        if req.num_output_tokens >= params.min_tokens:
+        num_output = len(req.output_token_ids)
+        if num_output >= params.min_tokens:
             if not params.ignore_eos and token in req.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED
             if token in params.stop_token_ids:
                 req.stop_reason = token
                 return RequestStatus.FINISHED_STOPPED
-        if params.max_tokens is not None and req.num_output_tokens >= params.max_tokens:
+        if params.max_tokens is not None and num_output >= params.max_tokens:
             return RequestStatus.FINISHED_LENGTH
-        if req.num_tokens >= self.config.max_model_len:
+        if len(req.all_token_ids) >= self.config.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None

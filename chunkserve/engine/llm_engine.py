@@ -20,7 +20,7 @@ from chunkserve.engine.executor import Executor
 from chunkserve.engine.processor import EngineRequest, Processor
 from chunkserve.engine.trace import StepRecord, StepTrace, step_record
 from chunkserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from chunkserve.sampling_params import SamplingParams
+from chunkserve.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
     from chunkserve.model.factory import LoadedModel
@@ -188,12 +188,16 @@ class LLMEngine:
         out = self.scheduler.schedule()
         try:
             for sr in out.scheduled:
-                self._states[sr.request.request_id].metrics.on_scheduled(start)
+                if not sr.is_decode:  # a decode was scheduled before, by definition
+                    self._states[sr.request.request_id].metrics.on_scheduled(start)
             result = self.executor.execute(out)
             now = self.clock()
             updated = self.scheduler.update_from_output(out, result.sampled)
-            outputs = [self._process(req, now, result.logprobs.get(req.request_id))
-                       for req in updated]
+            outputs = []
+            for req in updated:
+                output = self._process(req, now, result.logprobs.get(req.request_id))
+                if output is not None:
+                    outputs.append(output)
         except Exception as e:
             # Blocks indexed for this step's tokens may never have received their KV: forget
             # every cached prefix rather than serve one that was never written.
@@ -206,7 +210,9 @@ class LLMEngine:
 
     def _process(
         self, req: Request, now: float, logprobs: list[tuple[int, float]] | None
-    ) -> RequestOutput:
+    ) -> RequestOutput | None:
+        """Records the request's new token; its output, unless it asked for the final one
+        only and is not finished (building an output per token is most of a simulated step)."""
         state = self._states[req.request_id]
         if logprobs is not None:
             state.logprobs.append(logprobs)
@@ -225,6 +231,8 @@ class LLMEngine:
         if finished:
             m.finished_time = now
             del self._states[req.request_id]
+        elif req.sampling_params.output_kind is RequestOutputKind.FINAL_ONLY:
+            return None
         completion = CompletionOutput(
             index=0,
             text=detok.output_text if detok is not None else "",

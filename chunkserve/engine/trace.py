@@ -53,14 +53,18 @@ def step_record(step: int, start: float, duration: float, out: SchedulerOutput) 
     """The record of one step from what its schedule() decided (shared by engine and sim)."""
     stats = out.kv_stats
     assert stats is not None, "schedule() always fills kv_stats"
+    # One pass: a simulated run makes hundreds of thousands of these records.
+    prefills = [[s.request.request_id, s.num_new_tokens, s.start] for s in out.scheduled
+                if not s.is_decode]
+    num_decodes = len(out.scheduled) - len(prefills)
     return StepRecord(
         step=step,
         start=start,
         duration=duration,
-        num_prefill_tokens=out.num_prefill_tokens,
-        num_decode_tokens=out.num_decode_tokens,
-        num_prefill_reqs=sum(1 for s in out.scheduled if not s.is_decode),
-        num_decode_reqs=sum(1 for s in out.scheduled if s.is_decode),
+        num_prefill_tokens=sum(p[1] for p in prefills),
+        num_decode_tokens=num_decodes,  # one token each
+        num_prefill_reqs=len(prefills),
+        num_decode_reqs=num_decodes,
         num_running=out.num_running,
         num_waiting=out.num_waiting,
         kv_usage=stats.usage,
@@ -72,10 +76,7 @@ def step_record(step: int, start: float, duration: float, out: SchedulerOutput) 
         prefix_cache_hits=out.prefix_cache_hits,
         prefix_cache_hit_rate=out.prefix_cache_stats.hit_rate if out.prefix_cache_stats else 0.0,
         token_budget=out.token_budget,
-        prefill_requests=[
-            [s.request.request_id, s.num_new_tokens, s.start] for s in out.scheduled
-            if not s.is_decode
-        ],
+        prefill_requests=prefills,
     )
 
 
