@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import socket
 import subprocess
 import sys
@@ -29,6 +28,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from llama_server_build import DEFAULT_CACHE, build  # noqa: E402
+from host import cpu_info
 
 ENGINES = ("chunkserve", "llama-server")
 PEER = "llama-server"  # the open-loop rate is set from its capacity
@@ -46,16 +46,6 @@ ROWS = [
     ("E2E p50 (ms)", "median_e2el_ms", 1.0),
     ("failed requests", "failed", 1.0),
 ]
-
-
-def cpu_info() -> dict[str, Any]:
-    text = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
-    model = re.search(r"model name\s*:\s*(.*)", text)
-    flags = re.search(r"flags\s*:\s*(.*)", text)
-    wanted = ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16")
-    have = [f for f in wanted if flags and f in flags.group(1).split()]
-    return {"model": model.group(1) if model else "unknown", "flags": have,
-            "cores": os.cpu_count()}
 
 
 def free_port() -> int:

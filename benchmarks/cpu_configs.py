@@ -19,7 +19,7 @@ from chunkserve.model.factory import load_model
 from chunkserve.sampling_params import SamplingParams
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from compare_llama_server import cpu_info  # noqa: E402
+from host import cpu_info  # noqa: E402
 
 CONFIGS = {
     "fp32/torch": dict(quantization="none", attention_backend="torch"),

@@ -23,7 +23,6 @@ import os
 import platform
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -36,6 +35,7 @@ import torch.nn.functional as F
 from chunkserve.engine.llm_engine import LLMEngine
 from chunkserve.model.factory import LoadedModel, load_model, resolve_dtype
 from chunkserve.sampling_params import SamplingParams
+from host import cpu_model
 
 MODEL = "smollm2-135m"
 PREFILL_SIZES = (128, 512, 2048, 4096)
@@ -306,17 +306,6 @@ def bench_decode(engine: LLMEngine, cost: ModelCost, batches: tuple[int, ...], s
 
 
 # ---- reporting ---------------------------------------------------------------------------------
-def cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        for line in out.splitlines():
-            if line.startswith("Model name:"):
-                return line.split(":", 1)[1].strip()
-    except (OSError, subprocess.CalledProcessError):
-        pass
-    return platform.processor() or "unknown CPU"
-
-
 def print_roofline(roof: Roofline) -> None:
     for label, g in roof.gemm.items():
         print(f"  {label:44s} {g:8.1f} GFLOP/s")

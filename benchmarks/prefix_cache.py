@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 from typing import Any
 
@@ -26,17 +25,7 @@ from chunkserve.benchlib.shared_prefix import SharedPrefixSpec, shared_prefix_re
 from chunkserve.bench.sweep import SweepPoint, run_point
 from chunkserve.benchlib.workloads import arrival_times, sample_requests
 from chunkserve.model.factory import load_model
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+from host import cpu_model
 
 
 def one_run(loaded: Any, requests: list, arrivals: list[float], caching: bool,

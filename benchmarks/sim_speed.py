@@ -19,17 +19,7 @@ import time
 from chunkserve.benchlib.sweep import SweepPoint
 from chunkserve.cli import build_parser
 from chunkserve.sim.cli import sim_workbench
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
+from host import cpu_model
 
 
 def main() -> None:

@@ -181,6 +181,17 @@ def test_calibration_recovers_known_coefficients():
         assert fitted[k] == pytest.approx(truth[k], rel=0.02), k
 
 
+def test_replays_load_the_weights_format_the_profile_timed(tiny_model_dir):
+    """An int8 profile computes in float32: its replays must load int8 weights, not dense
+    float32 ones (a dense replay ran ~2x slower per decode step than the profile predicted)."""
+    from chunkserve.bench.calibration import load_profiled_model
+
+    prof = {"model": tiny_model_dir, "dtype": "float32"}
+    assert load_profiled_model({**prof, "quantization": "int8"}).model.quantization == "int8"
+    assert load_profiled_model({**prof, "quantization": "none"}).model.quantization is None
+    assert load_profiled_model(prof).model.quantization is None  # written before it was recorded
+
+
 # ---- simulations -----------------------------------------------------------------------------
 def _long_and_short(n_short: int = 20) -> tuple[list[BenchRequest], list[float]]:
     # Short requests are decoding when one 4096-token prompt arrives.

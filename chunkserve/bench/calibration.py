@@ -148,6 +148,8 @@ def profile(model: str, dtype: str, quick: bool = False, block_size: int = 16) -
         "machine": platform.processor() or platform.machine(),
         "model": model,
         "dtype": str(loaded.model.dtype).removeprefix("torch."),
+        # int8 weights compute in float32, so the dtype alone does not say what was timed.
+        "quantization": loaded.model.quantization or "none",
         "device": str(loaded.model.device),
         "block_size": block_size,
         "num_kv_blocks": int(DEFAULT_KV_CACHE_GIB * (1 << 30) // block_bytes),
@@ -156,6 +158,16 @@ def profile(model: str, dtype: str, quick: bool = False, block_size: int = 16) -
         "num_samples": len(samples),
         "profile_seconds": round(time.monotonic() - t0, 1),
     }
+
+
+def load_profiled_model(prof: dict[str, Any], max_model_len: int | None = None) -> LoadedModel:
+    """The model a profile timed, in the weights format it timed: replaying a workload on other
+    weights (e.g. dense float32 under an int8 profile) compares two different engines. A
+    profile written before the format was recorded timed dense weights."""
+    from chunkserve.model.factory import load_model
+
+    return load_model(prof["model"], prof.get("dtype", "auto"), max_model_len,
+                      quantization=prof.get("quantization", "none"))
 
 
 def add_profile_args(p: argparse.ArgumentParser) -> None:

@@ -11,6 +11,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from chunkserve.bench.calibration import load_profiled_model
 from chunkserve.bench.sweep import run_point
 from chunkserve.benchlib.args import check_fits, workload_requests
 from chunkserve.benchlib.sweep import RunResult, SweepPoint
@@ -22,12 +23,15 @@ from chunkserve.sim.step_cost import engine_step_time
 def measure_tune_runs(args: argparse.Namespace, points: list[SweepPoint],
                       arrivals: Sequence[float], num_kv_blocks: int) -> list[RunResult]:
     """One real run per configuration, on the simulated workload's prompts (same lengths, same
-    seed), arrivals and KV pool; on the profile's model and dtype when --hardware is one."""
-    model, dtype = args.model, "auto"
+    seed), arrivals and KV pool; on the profile's model and weights format when --hardware is
+    one."""
+    model = args.model
     if os.path.isfile(args.hardware):
         prof = load_profile(args.hardware)
-        model, dtype = prof.get("model", model), prof.get("dtype", dtype)
-    loaded = load_model(model, dtype, args.max_model_len)
+        model = prof.get("model", model)
+        loaded = load_profiled_model({**prof, "model": model}, args.max_model_len)
+    else:
+        loaded = load_model(model, "auto", args.max_model_len)
     requests = workload_requests(args, loaded.tokenizer)
     check_fits(requests, loaded.max_model_len)
     engine_kwargs: dict[str, Any] = dict(

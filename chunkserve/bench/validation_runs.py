@@ -8,13 +8,13 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from chunkserve.bench.calibration import step_sample
+from chunkserve.bench.calibration import load_profiled_model, step_sample
 from chunkserve.bench.sweep import run_point
 from chunkserve.benchlib.args import check_fits, workload_requests
 from chunkserve.benchlib.sweep import parse_chunk_sizes, sweep_points
 from chunkserve.benchlib.workloads import arrival_times
 from chunkserve.engine.llm_engine import StepResult
-from chunkserve.model.factory import LoadedModel, load_model
+from chunkserve.model.factory import LoadedModel
 from chunkserve.sim.cost_model import StepShape
 from chunkserve.sim.validate import RealRun
 
@@ -23,8 +23,8 @@ def measure_real_runs(
     args: argparse.Namespace, profile: dict[str, Any]
 ) -> tuple[list[RealRun], dict[str, Any]]:
     """The real runs of --validate and the engine configuration they share (what the
-    simulator must be given to replay them), on the profile's model and dtype."""
-    loaded = load_model(profile["model"], profile["dtype"], args.max_model_len)
+    simulator must be given to replay them), on the profile's model and weights format."""
+    loaded = load_profiled_model(profile, args.max_model_len)
     runs = replay_workloads(args, loaded)
     meta = {"model": profile["model"], "max_model_len": loaded.max_model_len,
             "num_kv_blocks": args.num_kv_blocks or profile["num_kv_blocks"],

@@ -9,7 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from chunkserve.model.attention_torch import TorchMetadata, TorchPagedAttention
 from chunkserve.model.batch import BatchTensors

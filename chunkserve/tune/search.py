@@ -5,7 +5,6 @@ engine's own loop on a cost model), so the ranking compares configurations, not 
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from statistics import median
 from typing import Any
