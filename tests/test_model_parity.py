@@ -91,9 +91,13 @@ def test_smollm2_logits_match_transformers(smollm2_fp32, hf_smollm2, prompt64):
 
 def test_chunked_prefill_logits_match_whole(smollm2_fp32, prompt64):
     whole = full_logits(smollm2_fp32.model, prompt64)
+    # Float32 rounding only: a GEMM over 7 rows sums in another order than one over 64 (the
+    # BLAS picks its kernel by shape), and 30 layers carry it. Bound relative to the largest
+    # logit, ~40 ulps of it: measured 2.7e-6-3.3e-6 on an AVX-512 host; earlier AVX2 hosts stayed under 1e-4 (2.6e-6).
+    scale = whole.abs().max().item()
     for chunk in (7, 16, 33):
         chunked = full_logits(smollm2_fp32.model, prompt64, chunk=chunk)
-        assert (chunked - whole).abs().max().item() <= 1e-4, chunk
+        assert (chunked - whole).abs().max().item() <= 5e-6 * scale, chunk
 
 
 def test_tiny_hf_folder_matches_transformers(tiny_model_dir: str):
