@@ -22,10 +22,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from host import cpu_info  # noqa: E402
 
 CONFIGS = {
-    "fp32/torch": dict(quantization="none", attention_backend="torch"),
-    "int8/torch": dict(quantization="int8", attention_backend="torch"),
-    "int8/cpu": dict(quantization="int8", attention_backend="cpu"),
-    "fp32/cpu": dict(quantization="none", attention_backend="cpu"),
+    "fp32/torch": dict(dtype="float32", quantization="none", attention_backend="torch"),
+    "int8/torch": dict(dtype="float32", quantization="int8", attention_backend="torch"),
+    "int8/cpu": dict(dtype="float32", quantization="int8", attention_backend="cpu"),
+    "fp32/cpu": dict(dtype="float32", quantization="none", attention_backend="cpu"),
+    "bf16/torch": dict(dtype="bfloat16", quantization="none", attention_backend="torch"),
+    "bf16/cpu": dict(dtype="bfloat16", quantization="none", attention_backend="cpu"),
 }
 
 
@@ -77,10 +79,10 @@ def main() -> None:
     print(f"CPU: {info['model']}, {info['cores']} cores, {' '.join(info['flags'])}", flush=True)
     engines = {}
     for name in args.configs.split(","):
-        loaded = load_model("smollm2-135m", "float32", max_model_len=args.context + 1024,
-                            **CONFIGS[name])
+        loaded = load_model("smollm2-135m", max_model_len=args.context + 1024, **CONFIGS[name])
+        # No prefix caching: the prefill prompts of one round share their first tokens.
         engines[name] = LLMEngine.from_kwargs(loaded=loaded, max_num_batched_tokens=2048,
-                                              num_kv_blocks=8192)
+                                              num_kv_blocks=8192, enable_prefix_caching=False)
     print("| step (ms) | " + " | ".join(engines) + " |", flush=True)
     for n in (128, 512):
         row = rounds(engines, 5, lambda e, r: prefill(e, r, n))

@@ -7,7 +7,7 @@ import torch
 from chunkserve.model.batch import BatchLayout
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-NUM_BLOCKS = 48
+NUM_BLOCKS = 96
 
 # (tokens cached before the step, new tokens this step) per request
 DECODES = [(37, 1), (5, 1), (0, 1), (64, 1)]
@@ -37,18 +37,21 @@ def make_layout(spec: list[tuple[int, int]], block_size: int, contiguous: bool,
 
 
 def run_step(backend, layout: BatchLayout, heads: int, kv_heads: int, head_dim: int,  # type: ignore[no-untyped-def]
-             seed: int = 1):
+             seed: int = 1, dtype: torch.dtype = torch.float32,
+             values_in: torch.dtype | None = None):
     """(out, k_cache, v_cache) of one step through `backend` on random q/k/v and caches; the
-    same arguments give the same data, so two backends' results compare directly."""
+    same arguments give the same data, so two backends' results compare directly. The data is
+    stored as `dtype`; `values_in` first rounds it to that type's values (a float32 reference
+    on exactly the values a bfloat16 run sees)."""
     from chunkserve.model.batch import DeviceStager
 
     gen = torch.Generator().manual_seed(seed)
     T = layout.num_tokens
-    q = torch.randn(T, heads, head_dim, generator=gen).to(DEVICE)
-    k = torch.randn(T, kv_heads, head_dim, generator=gen).to(DEVICE)
-    v = torch.randn(T, kv_heads, head_dim, generator=gen).to(DEVICE)
     shape = (NUM_BLOCKS, layout.block_size, kv_heads, head_dim)
-    kc, vc = (torch.randn(shape, generator=gen).to(DEVICE) for _ in range(2))
+    q, k, v, kc, vc = (
+        torch.randn(s, generator=gen).to(values_in or dtype).to(dtype).to(DEVICE)
+        for s in ((T, heads, head_dim), (T, kv_heads, head_dim), (T, kv_heads, head_dim),
+                  shape, shape))
     batch = DeviceStager(DEVICE).to_device(layout)
     with torch.inference_mode():
         out = backend.forward(q, k, v, kc, vc, backend.build_metadata(batch))

@@ -22,8 +22,19 @@ TINY = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidd
 CPU = torch.device("cpu")
 
 
-def test_auto_is_torch_on_the_cpu():
+def test_auto_is_the_batched_kernel_on_the_cpu():
+    assert make_attention_backend("auto", TINY, CPU).name == "cpu"
+
+
+def test_auto_falls_back_to_torch_when_the_kernel_cannot_build(monkeypatch, caplog):
+    from chunkserve.model import cpu_kernel
+
+    def no_compiler() -> str:
+        raise cpu_kernel.KernelBuildError("found no C compiler")
+
+    monkeypatch.setattr(cpu_kernel, "load", no_compiler)
     assert make_attention_backend("auto", TINY, CPU).name == "torch"
+    assert "no C compiler" in caplog.text and "Falling back" in caplog.text
 
 
 def test_triton_on_a_cpu_without_the_interpreter_is_a_clear_error(monkeypatch):

@@ -1,12 +1,18 @@
-"""The CPU backend (decodes batched into one numba kernel call) against the torch reference."""
+"""The CPU backend (decodes batched into one C kernel call) against the torch reference."""
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
-from attention_cases import DECODES, FIRST_CHUNKS, LATER_CHUNKS, MIXED, make_layout, run_step
+from attention_cases import (DECODES, FIRST_CHUNKS, LATER_CHUNKS, MIXED, NUM_BLOCKS, make_layout,
+                             run_step)
+
+LONG_DECODES = [(299, 1), (700, 1), (255, 1), (256, 1), (511, 1), (0, 1), (40, 30)]
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from chunkserve.model import cpu_kernel
 from chunkserve.model.attention_cpu import CpuPagedAttention
 from chunkserve.model.attention_torch import TorchPagedAttention
 
@@ -30,6 +36,10 @@ def _compare(layout, heads: int, kv_heads: int, head_dim: int) -> None:  # type:
     (LATER_CHUNKS, 32, 4, 1, 32, True),
     (MIXED, 16, 6, 2, 32, False),
     (MIXED, 16, 9, 3, 64, True),
+    # Contexts across the kernel's 256-token parts: at, just under and over part boundaries.
+    (LONG_DECODES, 32, 9, 3, 64, False),
+    (LONG_DECODES, 32, 8, 2, 128, True),  # head_dim 128: the other specialised size
+    (LONG_DECODES, 32, 6, 3, 48, False),  # any other head size
 ])
 def test_cpu_backend_matches_torch(spec, block_size, heads, kv_heads, head_dim, contiguous):
     _compare(make_layout(spec, block_size, contiguous), heads, kv_heads, head_dim)
@@ -45,3 +55,63 @@ def test_cpu_backend_matches_torch(spec, block_size, heads, kv_heads, head_dim, 
 )
 def test_cpu_backend_matches_torch_random_batches(spec, block_size, group, seed):
     _compare(make_layout(spec, block_size, contiguous=False, seed=seed), 2 * group, 2, 16)
+
+
+def test_kernel_runs_on_pytorchs_openmp_runtime():
+    """One libgomp in the process: the kernel's threads are PyTorch's, not a second pool that
+    would spin against it."""
+    cpu_kernel.load()
+    with open("/proc/self/maps") as f:
+        gomp = {line.split()[-1] for line in f if "libgomp" in line}
+    assert len(gomp) == 1, gomp
+
+
+def test_no_compiler_is_a_clear_error(monkeypatch, tmp_path):
+    monkeypatch.setenv("CHUNKSERVE_CACHE_DIR", str(tmp_path))  # nothing built there yet
+    monkeypatch.setenv("CC", "")
+    monkeypatch.setattr(cpu_kernel.shutil, "which", lambda name: None)
+    with pytest.raises(cpu_kernel.KernelBuildError, match="no C compiler"):
+        cpu_kernel._compiler()
+
+
+def test_build_is_cached_by_source_and_cpu(monkeypatch, tmp_path):
+    monkeypatch.setenv("CHUNKSERVE_CACHE_DIR", str(tmp_path))
+    cc = cpu_kernel._compiler()
+    first = cpu_kernel._build(cc)
+    mtime = os.path.getmtime(first)
+    assert cpu_kernel._build(cc) == first and os.path.getmtime(first) == mtime  # not rebuilt
+    assert os.listdir(os.path.dirname(first)) == [os.path.basename(first)]  # no temp files left
+
+
+@pytest.mark.parametrize("spec,heads,kv_heads,head_dim", [
+    (MIXED, 9, 3, 64), (LONG_DECODES, 8, 2, 128), (DECODES, 6, 3, 48)])
+def test_bfloat16_cache_matches_a_float32_reference_on_the_same_values(spec, heads, kv_heads,
+                                                                        head_dim):
+    """A bfloat16 KV cache: the kernel computes in float32 and rounds only its output, so it
+    matches float32 attention over the same (bf16) values to bf16's output rounding."""
+    layout = make_layout(spec, 32, contiguous=False)
+    ref, ref_k, ref_v = run_step(TorchPagedAttention(heads, kv_heads, head_dim), layout, heads,
+                                 kv_heads, head_dim, values_in=torch.bfloat16)
+    out, kc, vc = run_step(CpuPagedAttention(heads, kv_heads, head_dim), layout, heads, kv_heads,
+                           head_dim, dtype=torch.bfloat16)
+    decode = torch.from_numpy(layout.query_lens == 1).repeat_interleave(
+        torch.from_numpy(layout.query_lens))
+    assert out.dtype == torch.bfloat16
+    # Decodes: one rounding of a float32 result (bf16 keeps 8 bits: relative 2^-8).
+    torch.testing.assert_close(out[decode].float(), ref[decode], atol=1e-2, rtol=2 ** -8)
+    # Chunks go through PyTorch's bf16 SDPA, which rounds inside too.
+    torch.testing.assert_close(out[~decode].float(), ref[~decode], atol=3e-2, rtol=3e-2)
+    assert torch.equal(kc.float(), ref_k) and torch.equal(vc.float(), ref_v)
+
+
+def test_mixed_dtypes_are_refused():
+    layout = make_layout(DECODES, 16, contiguous=True)
+    backend = CpuPagedAttention(4, 2, 16)
+    q = torch.zeros(layout.num_tokens, 4, 16)
+    cache = torch.zeros(NUM_BLOCKS, 16, 2, 16, dtype=torch.bfloat16)
+    from chunkserve.model.batch import DeviceStager
+
+    meta = backend.build_metadata(DeviceStager(torch.device("cpu")).to_device(layout))
+    with pytest.raises(TypeError, match="all float32 or all bfloat16"):
+        backend.forward(q, q[:, :2].to(torch.bfloat16), q[:, :2].to(torch.bfloat16), cache,
+                        cache, meta)

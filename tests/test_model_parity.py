@@ -136,12 +136,16 @@ def test_llama3_rope_scaling_matches_transformers(tmp_path):
 
 
 def test_bfloat16_linears_track_float32(smollm2_path, smollm2_fp32, prompt64):
-    """The bfloat16 path (the default on AVX512_BF16 CPUs) stays close to float32."""
+    """The bfloat16 path (the default on AVX512_BF16 CPUs: weights, activations into the
+    GEMMs and the KV cache in bfloat16) stays close to float32."""
     bf16 = load_model(smollm2_path, "bfloat16", max_model_len=512)
-    assert bf16.model.dtype == torch.bfloat16 and bf16.model.kv_dtype == torch.float32
+    assert bf16.model.dtype == torch.bfloat16 and bf16.model.kv_dtype == torch.bfloat16
     ref = full_logits(smollm2_fp32.model, prompt64)
-    got = full_logits(bf16.model, prompt64, chunk=16)
-    cos = torch.nn.functional.cosine_similarity(got, ref, dim=-1)
-    assert cos.min().item() > 0.99
-    # The greedy choice agrees at nearly every position.
-    assert (got.argmax(-1) == ref.argmax(-1)).float().mean().item() >= 0.9
+    # Chunks of 16 (PyTorch's SDPA), and one token a step (the CPU backend's decode kernel).
+    # Measured on an AMX host: cosine >= 0.9997, greedy agreement 0.94 and 0.92.
+    for chunk in (16, 1):
+        got = full_logits(bf16.model, prompt64, chunk=chunk)
+        cos = torch.nn.functional.cosine_similarity(got, ref, dim=-1)
+        assert cos.min().item() > 0.99, chunk
+        # The greedy choice agrees at nearly every position.
+        assert (got.argmax(-1) == ref.argmax(-1)).float().mean().item() >= 0.9, chunk

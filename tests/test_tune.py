@@ -110,3 +110,11 @@ def test_verify_replays_the_pick_and_two_neighbours_on_the_real_engine(tmp_path,
     for row in d["verify"]:
         assert row["metrics"]["output_throughput"]["measured"] > 0
         assert row["metrics"]["p99_ttft_ms"]["predicted"] > 0
+
+
+def test_adaptive_targets_are_distinct_after_rounding() -> None:
+    """Two rungs whose ITL p99 agree to 0.1 ms give one adaptive target, not two replays of it."""
+    from chunkserve.tune.space import adaptive_targets
+
+    assert adaptive_targets(256, {128: 22.71, 256: 22.74, 512: 40.0}, None) == [22.7, 40.0]
+    assert adaptive_targets(256, {128: 22.71, 256: 22.74}, 50.0) == [22.7, 45.0]

@@ -1,23 +1,27 @@
 """The CPU backend: the torch backend with every decode of a step batched into one kernel call.
 
 Prefill chunks keep PyTorch's fused SDPA (one call per chunk: their cost is the FLOPs, not the
-call); decodes — one query token each, most of a serving step's requests — go to
-`cpu_decode_kernel.paged_decode_attention` together, once per layer.
+call); decodes — one query token each, most of a serving step's requests — go to the C kernel
+(`cpu_kernels/paged_decode.c`, built by `cpu_kernel.py`) together, once per layer, which reads
+K/V in place through the block table. Per-request SDPA costs ~0.15 ms of fixed overhead per
+call, plus a concatenation when a request's blocks are not consecutive; at 16 decodes that is
+most of the step (docs/performance.md).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
+from chunkserve.model import cpu_kernel
 from chunkserve.model.attention_torch import TorchMetadata, TorchPagedAttention
 from chunkserve.model.batch import BatchTensors
-from chunkserve.model.cpu_decode_kernel import paged_decode_attention
 
 
 @dataclass
 class CpuMetadata(TorchMetadata):
-    # The decodes of the step, for the batched kernel (numpy: the kernel reads them in place).
+    # The decodes of the step, for the kernel (numpy, int64, contiguous: it reads them in place).
     decode_rows: np.ndarray | None = None  # [S_d] flat token index
     decode_seq_lens: np.ndarray | None = None  # [S_d]
     decode_block_table: np.ndarray | None = None  # [S_d, W]
@@ -28,7 +32,8 @@ class CpuPagedAttention(TorchPagedAttention):
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim)
-        _warm_up(num_heads, num_kv_heads, head_dim)
+        # Built (or found in the cache) at model load, not in the first step a user waits for.
+        self._kernel = cpu_kernel.load()
 
     def build_metadata(self, batch: BatchTensors) -> CpuMetadata:
         layout = batch.layout
@@ -38,27 +43,34 @@ class CpuPagedAttention(TorchPagedAttention):
         chunks = [seq for seq, d in zip(base.seqs, decode) if not d]
         meta = CpuMetadata(base.slot_mapping, chunks)
         if decode.any():
-            meta.decode_rows = np.ascontiguousarray(layout.query_start_loc[:-1][decode])
-            meta.decode_seq_lens = np.ascontiguousarray(layout.seq_lens[decode])
-            meta.decode_block_table = np.ascontiguousarray(layout.block_table[decode])
+            meta.decode_rows = np.ascontiguousarray(layout.query_start_loc[:-1][decode],
+                                                    dtype=np.int64)
+            meta.decode_seq_lens = np.ascontiguousarray(layout.seq_lens[decode], dtype=np.int64)
+            meta.decode_block_table = np.ascontiguousarray(layout.block_table[decode],
+                                                           dtype=np.int64)
         return meta
 
     def forward(self, q, k, v, k_cache, v_cache, meta: CpuMetadata):  # type: ignore[no-untyped-def,override]
         out = super().forward(q, k, v, k_cache, v_cache, meta)  # writes K/V, attends the chunks
         if meta.decode_rows is not None:
-            paged_decode_attention(
-                out.view(q.shape).numpy(), q.numpy(), k_cache.numpy(), v_cache.numpy(),
-                meta.decode_block_table, meta.decode_seq_lens, meta.decode_rows,
-                np.float32(self.scale),
-            )
+            self._decode_all(out, q.contiguous(), k_cache, v_cache, meta)
         return out
 
-
-def _warm_up(heads: int, kv_heads: int, head_dim: int) -> None:
-    """Compiles the kernel (or loads it from numba's on-disk cache) at model load, with the
-    argument types of a real step, instead of in the first decode step a user waits for."""
-    q = np.zeros((1, heads, head_dim), np.float32)
-    cache = np.zeros((1, 16, kv_heads, head_dim), np.float32)
-    one = np.ones(1, np.int64)
-    paged_decode_attention(np.empty_like(q), q, cache, cache, np.zeros((1, 1), np.int64), one,
-                           one - 1, np.float32(1.0))
+    def _decode_all(self, out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, meta: CpuMetadata) -> None:
+        dtypes = {q.dtype, out.dtype, k_cache.dtype, v_cache.dtype}
+        if dtypes not in ({torch.float32}, {torch.bfloat16}):
+            raise TypeError(f"the CPU decode kernel takes q, output and KV cache all float32 or "
+                            f"all bfloat16, got {sorted(map(str, dtypes))}")
+        assert out.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()
+        table = meta.decode_block_table
+        assert table is not None and meta.decode_seq_lens is not None
+        failed = self._kernel(
+            out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+            int(q.dtype == torch.bfloat16), table.ctypes.data, table.shape[1],
+            meta.decode_seq_lens.ctypes.data,
+            meta.decode_rows.ctypes.data, len(meta.decode_seq_lens), self.num_heads,
+            self.num_kv_heads, self.head_dim, k_cache.shape[1], self.scale,
+            torch.get_num_threads())
+        if failed:
+            raise MemoryError("the CPU decode kernel could not allocate its score buffers")

@@ -1,7 +1,8 @@
-"""Which attention backend a model runs with: `--attention-backend auto|torch|triton`."""
+"""Which attention backend a model runs with: `--attention-backend auto|cpu|torch|triton`."""
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 
 import torch
@@ -9,6 +10,8 @@ import torch
 from chunkserve.model.attention import AttentionBackend
 from chunkserve.model.attention_torch import TorchPagedAttention
 from chunkserve.model.llama_config import LlamaConfig
+
+logger = logging.getLogger(__name__)
 
 
 def triton_interpreted() -> bool:
@@ -30,11 +33,24 @@ def check_triton(device: torch.device) -> None:
         )
 
 
+def auto_backend(device: torch.device) -> str:
+    """triton on a GPU that has it (it ships with CUDA builds of torch; without it a GPU still
+    runs, just slower); on the CPU the batched C kernel when it builds here, else torch."""
+    if device.type == "cuda":
+        return "triton" if importlib.util.find_spec("triton") is not None else "torch"
+    from chunkserve.model import cpu_kernel
+
+    try:
+        cpu_kernel.load()
+    except cpu_kernel.KernelBuildError as e:
+        logger.warning("%s Falling back to attention backend 'torch'.", e)
+        return "torch"
+    return "cpu"
+
+
 def make_attention_backend(name: str, config: LlamaConfig, device: torch.device) -> AttentionBackend:
     if name == "auto":
-        # Triton ships with CUDA builds of torch; without it a GPU still runs, just slower.
-        on_gpu = device.type == "cuda" and importlib.util.find_spec("triton") is not None
-        name = "triton" if on_gpu else "torch"
+        name = auto_backend(device)
     heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     assert head_dim is not None
     if name == "torch":
@@ -42,7 +58,7 @@ def make_attention_backend(name: str, config: LlamaConfig, device: torch.device)
     if name == "cpu":
         if device.type != "cpu":
             raise ValueError("attention backend 'cpu' runs on the CPU; use triton or torch")
-        # Imported here: compiling its kernel (numba, cached on disk) is for CPU runs only.
+        # Imported here: building its kernel (a C compiler, cached on disk) is for CPU runs only.
         from chunkserve.model.attention_cpu import CpuPagedAttention
 
         return CpuPagedAttention(heads, kv_heads, head_dim)

@@ -50,7 +50,7 @@ def refinements(space: SearchSpace, best: SweepPoint, itl_p99_ms: dict[int, floa
         points += [SweepPoint(b, "decode-first", long_prefill_token_threshold=t)
                    for t in (b // 2, b // 4) if t >= MIN_THRESHOLD]
     if space.adaptive:
-        points += [SweepPoint(cap, "decode-first", "adaptive", round(t, 1))
+        points += [SweepPoint(cap, "decode-first", "adaptive", t)
                    for t in adaptive_targets(b, itl_p99_ms, itl_slo_ms)]
     return points
 
@@ -64,7 +64,9 @@ def adaptive_targets(best: int, itl_p99_ms: dict[int, float], itl_slo_ms: float 
     targets = {itl_p99_ms[b] for b in budgets[max(i - 1, 0): i + 2]}
     if itl_slo_ms is not None:
         targets.add(itl_slo_ms * ITL_SLO_MARGIN)
-    return sorted(targets)
+    # Rounded before they are told apart: two rungs with the same ITL p99 to 0.1 ms would
+    # otherwise be simulated (and replayed) twice as two "different" targets.
+    return sorted({round(t, 1) for t in targets})
 
 
 SIMPLICITY = {"static": 0, "no-chunk": 1, "vllm-v1": 2, "threshold": 3, "adaptive": 4}

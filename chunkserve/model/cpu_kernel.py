@@ -1,0 +1,94 @@
+"""Builds and loads the CPU attention kernel (`cpu_kernels/paged_decode.c`) with the C compiler.
+
+The kernel is compiled once per source, compiler and CPU (`-march=native`) into a cache folder
+(`$CHUNKSERVE_CACHE_DIR`, default `~/.cache/chunkserve`) and loaded with ctypes. It links
+against `libgomp.so.1`; PyTorch is imported first and has loaded its own copy under that
+soname, so the kernel's OpenMP loop runs on PyTorch's thread pool (see the C file's header).
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+
+import torch  # noqa: F401  (first: its libgomp.so.1 is the one the kernel must bind to)
+
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_kernels", "paged_decode.c")
+CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+
+_i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+# out, q, k_cache, v_cache, bf16, block_table, table_width, seq_lens, rows, num_seqs, heads,
+# kv_heads, head_dim, block_size, scale, num_threads
+ARGTYPES = [_ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64,
+            _f32, _i64]
+
+
+class KernelBuildError(RuntimeError):
+    pass
+
+
+def cache_dir() -> str:
+    root = os.environ.get("CHUNKSERVE_CACHE_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "chunkserve")
+    return os.path.join(root, "kernels")
+
+
+def _compiler() -> str:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return name
+    raise KernelBuildError(
+        "attention backend 'cpu' compiles a small C kernel at first use and found no C "
+        "compiler (cc, gcc or clang; or set CC). Install one, or use --attention-backend torch.")
+
+
+def _cpu_id() -> str:
+    """What -march=native depends on: a cached build from another CPU may not run here."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f if ln.startswith(("model name", "flags"))][:2]
+        return "".join(lines)
+    except OSError:
+        return platform.processor()
+
+
+def _build(cc: str) -> str:
+    with open(SOURCE, "rb") as f:
+        source = f.read()
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256(source + " ".join(CFLAGS).encode() + version.encode()
+                         + _cpu_id().encode()).hexdigest()[:16]
+    path = os.path.join(cache_dir(), f"paged_decode-{key}.so")
+    if os.path.isfile(path):
+        return path
+    os.makedirs(cache_dir(), exist_ok=True)
+    # Built beside its final name and renamed: two processes building at once never load a
+    # half-written library.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache_dir())
+    os.close(fd)
+    try:
+        done = subprocess.run([cc, *CFLAGS, SOURCE, "-o", tmp, "-lm"], capture_output=True,
+                              text=True)
+        if done.returncode != 0:
+            raise KernelBuildError(f"compiling {SOURCE} with {cc} failed:\n{done.stderr.strip()}"
+                                   "\nUse --attention-backend torch.")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+@cache
+def load() -> ctypes._CFuncPtr:  # type: ignore[name-defined]
+    """The kernel's entry point, compiled first if this machine has no build of it yet."""
+    lib = ctypes.CDLL(_build(_compiler()))
+    fn = lib.paged_decode_attention
+    fn.argtypes = ARGTYPES
+    fn.restype = ctypes.c_int
+    return fn

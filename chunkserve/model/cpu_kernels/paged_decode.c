@@ -1,0 +1,199 @@
+/* Paged decode attention on the CPU: every decode of a step, one call per layer.
+ *
+ * Each decode has one query token and attends over its whole context, read in place from the
+ * paged cache through its block table: no gather, no copy. A decode's context is cut into
+ * parts of PART tokens (flash-decoding's split-K), so one long context still spreads over all
+ * threads; a task is one part of one decode, all heads: it walks the part's tokens once, each
+ * token's K (then V) row for every KV head read contiguously, and leaves a partial softmax
+ * (max, sum, unnormalised output) that a second loop merges per decode. Decode attention is
+ * bound by reading K and V; the loops run over head_dim on contiguous rows and are left to the
+ * compiler to vectorize (-O3 -ffast-math -march=native; head_dim 64 and 128 are compiled as
+ * constants; glibc's vector expf for the softmax).
+ *
+ * Tasks are spread with OpenMP. The library is linked against libgomp.so.1, which PyTorch has
+ * already loaded (its wheels ship one under that soname), so the kernel runs on PyTorch's own
+ * thread pool: a second pool (numba's, say) spins against PyTorch's between ops, measured at
+ * about twice the kernel's time on 2 cores.
+ *
+ * Layouts (all contiguous; q, out and the caches all float32 or all bfloat16, flag `bf16`;
+ * the arithmetic is float32 either way, bfloat16 is only how values are stored):
+ *   q, out       [T, heads, head_dim]; decode s reads/writes row rows[s]
+ *   k/v_cache    [num_blocks, block_size, kv_heads, head_dim]
+ *   block_table  [num_seqs, table_width] int64; seq_lens, rows [num_seqs] int64
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define PART 256 /* tokens per task: 2 tasks per thread at 16 decodes of 512 on 2 cores */
+
+typedef struct {
+    const void *k_cache, *v_cache;
+    int64_t heads, kv_heads, block_size;
+    float scale;
+} Cache;
+
+/* Element i of a float32 or bfloat16 array (bfloat16: the top half of a float32's bits). */
+static inline __attribute__((always_inline)) float load(const void *p, int64_t i, const int bf16)
+{
+    if (!bf16)
+        return ((const float *)p)[i];
+    const uint32_t bits = (uint32_t)((const uint16_t *)p)[i] << 16;
+    float x;
+    memcpy(&x, &bits, sizeof x);
+    return x;
+}
+
+static inline void store(void *p, int64_t i, float x, const int bf16)
+{
+    if (!bf16) {
+        ((float *)p)[i] = x;
+        return;
+    }
+    uint32_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    bits += 0x7FFF + ((bits >> 16) & 1); /* round to nearest even, as PyTorch's conversion */
+    ((uint16_t *)p)[i] = (uint16_t)(bits >> 16);
+}
+
+/* One part [begin, end) of one decode: scores, partial softmax and unnormalised output.
+ * q: [heads, D] float32; m, l: [heads]; acc: [heads, D]; scores: [heads, PART] scratch. */
+static inline __attribute__((always_inline)) void
+attend_part(const Cache *c, const int64_t D, const int bf16, const float *q, const int64_t *table,
+            int64_t begin, int64_t end, float *scores, float *m, float *l, float *acc)
+{
+    const int64_t group = c->heads / c->kv_heads, row = c->kv_heads * D;
+    const int64_t n = end - begin;
+    for (int64_t j = begin; j < end; j++) {
+        const int64_t slot = table[j / c->block_size] * c->block_size + j % c->block_size;
+        for (int64_t hq = 0; hq < c->heads; hq++) {
+            const int64_t kh = slot * row + (hq / group) * D;
+            const float *qh = q + hq * D;
+            float dot = 0.0f;
+            for (int64_t d = 0; d < D; d++)
+                dot += qh[d] * load(c->k_cache, kh + d, bf16);
+            scores[hq * PART + (j - begin)] = dot * c->scale;
+        }
+    }
+    for (int64_t hq = 0; hq < c->heads; hq++) {
+        float *s = scores + hq * PART, top = s[0], sum = 0.0f;
+        for (int64_t j = 1; j < n; j++)
+            top = s[j] > top ? s[j] : top;
+        for (int64_t j = 0; j < n; j++) {
+            s[j] = expf(s[j] - top);
+            sum += s[j];
+        }
+        m[hq] = top;
+        l[hq] = sum;
+    }
+    memset(acc, 0, sizeof(float) * c->heads * D);
+    for (int64_t j = begin; j < end; j++) {
+        const int64_t slot = table[j / c->block_size] * c->block_size + j % c->block_size;
+        for (int64_t hq = 0; hq < c->heads; hq++) {
+            const float p = scores[hq * PART + (j - begin)];
+            const int64_t vh = slot * row + (hq / group) * D;
+            float *a = acc + hq * D;
+            for (int64_t d = 0; d < D; d++)
+                a[d] += p * load(c->v_cache, vh + d, bf16);
+        }
+    }
+}
+
+static void attend_part_any(const Cache *c, int64_t D, int bf16, const float *q,
+                            const int64_t *table, int64_t begin, int64_t end, float *scores,
+                            float *m, float *l, float *acc)
+{
+    /* Constants (head size, storage type) let the compiler unroll and vectorize fully. */
+#define CASE(d, b) attend_part(c, d, b, q, table, begin, end, scores, m, l, acc)
+    if (bf16) {
+        if (D == 64) CASE(64, 1); else if (D == 128) CASE(128, 1); else CASE(D, 1);
+    } else {
+        if (D == 64) CASE(64, 0); else if (D == 128) CASE(128, 0); else CASE(D, 0);
+    }
+#undef CASE
+}
+
+/* out[hq] = sum_p acc_p[hq] * exp(m_p - M) / sum_p l_p * exp(m_p - M), M = max_p m_p.
+ * o: [D] float32 scratch; out: this decode's row, stored as `bf16` says. */
+static void merge_parts(void *out, int bf16, int64_t parts, int64_t heads, int64_t D,
+                        const float *m, const float *l, const float *acc, float *o)
+{
+    for (int64_t hq = 0; hq < heads; hq++) {
+        float top = m[hq], total = 0.0f;
+        for (int64_t p = 1; p < parts; p++)
+            top = m[p * heads + hq] > top ? m[p * heads + hq] : top;
+        memset(o, 0, sizeof(float) * D);
+        for (int64_t p = 0; p < parts; p++) {
+            const float w = expf(m[p * heads + hq] - top), *a = acc + (p * heads + hq) * D;
+            total += l[p * heads + hq] * w;
+            for (int64_t d = 0; d < D; d++)
+                o[d] += w * a[d];
+        }
+        const float inv = 1.0f / total;
+        for (int64_t d = 0; d < D; d++)
+            store(out, hq * D + d, o[d] * inv, bf16);
+    }
+}
+
+int paged_decode_attention(void *out, const void *q, const void *k_cache, const void *v_cache,
+                           int64_t bf16, const int64_t *block_table, int64_t table_width,
+                           const int64_t *seq_lens, const int64_t *rows, int64_t num_seqs,
+                           int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
+                           float scale, int64_t num_threads)
+{
+    const Cache c = {k_cache, v_cache, heads, kv_heads, block_size, scale};
+    const int64_t row_stride = heads * head_dim;
+    /* first[s]: index of decode s's first part; parts are numbered decode by decode. */
+    int64_t *first = malloc(sizeof(int64_t) * (num_seqs + 1));
+    if (first == NULL)
+        return 1;
+    first[0] = 0;
+    for (int64_t s = 0; s < num_seqs; s++)
+        first[s + 1] = first[s] + (seq_lens[s] + PART - 1) / PART;
+    const int64_t tasks = first[num_seqs];
+    float *m = malloc(sizeof(float) * tasks * heads), *l = malloc(sizeof(float) * tasks * heads);
+    float *acc = malloc(sizeof(float) * tasks * heads * head_dim);
+    int failed = m == NULL || l == NULL || acc == NULL;
+    /* The caller's thread count (PyTorch's): a thread it did not start has libgomp's default. */
+#pragma omp parallel num_threads(num_threads) if (!failed)
+    {
+        /* scores: [heads, PART]; then the query in float32 [heads, D] (the merge's row too). */
+        float *scores = malloc(sizeof(float) * heads * (PART + head_dim));
+        float *qf = scores == NULL ? NULL : scores + heads * PART;
+        if (scores == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        /* Every thread takes part in the loops (an OpenMP rule); one without a buffer skips. */
+        int64_t s = 0;
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tasks; t++) {
+            if (scores == NULL)
+                continue;
+            while (first[s + 1] <= t) /* this thread's tasks come in order: s only grows */
+                s++;
+            while (first[s] > t)
+                s--;
+            const int64_t begin = (t - first[s]) * PART;
+            const int64_t end = begin + PART < seq_lens[s] ? begin + PART : seq_lens[s];
+            for (int64_t i = 0; i < row_stride; i++)
+                qf[i] = load(q, rows[s] * row_stride + i, bf16);
+            attend_part_any(&c, head_dim, bf16, qf, block_table + s * table_width, begin, end,
+                            scores, m + t * heads, l + t * heads, acc + t * heads * head_dim);
+        }
+        const size_t elem = bf16 ? 2 : 4;
+#pragma omp for schedule(static)
+        for (int64_t s2 = 0; s2 < num_seqs; s2++)
+            if (!failed)
+                merge_parts((char *)out + rows[s2] * row_stride * elem, bf16,
+                            first[s2 + 1] - first[s2], heads, head_dim, m + first[s2] * heads,
+                            l + first[s2] * heads, acc + first[s2] * heads * head_dim, qf);
+        free(scores);
+    }
+    free(first);
+    free(m);
+    free(l);
+    free(acc);
+    return failed;
+}
