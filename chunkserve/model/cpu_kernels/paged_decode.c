@@ -155,8 +155,15 @@ int paged_decode_attention(void *out, const void *q, const void *k_cache, const 
     float *m = malloc(sizeof(float) * tasks * heads), *l = malloc(sizeof(float) * tasks * heads);
     float *acc = malloc(sizeof(float) * tasks * heads * head_dim);
     int failed = m == NULL || l == NULL || acc == NULL;
+    if (failed) {
+        free(first);
+        free(m);
+        free(l);
+        free(acc);
+        return 1;
+    }
     /* The caller's thread count (PyTorch's): a thread it did not start has libgomp's default. */
-#pragma omp parallel num_threads(num_threads) if (!failed)
+#pragma omp parallel num_threads(num_threads)
     {
         /* scores: [heads, PART]; then the query in float32 [heads, D] (the merge's row too). */
         float *scores = malloc(sizeof(float) * heads * (PART + head_dim));
