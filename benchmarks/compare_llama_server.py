@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import socket
 import subprocess
 import sys
@@ -54,14 +55,15 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def server_command(engine: str, port: int, gguf: str, binary: str | None) -> list[str]:
+def server_command(engine: str, port: int, gguf: str, binary: str | None,
+                   peer_args: Sequence[str] = ()) -> list[str]:
     if engine == "chunkserve":  # exactly what `make serve` runs, on another port
         return [sys.executable, "-m", "chunkserve.cli", "serve", "--model", "smollm2-135m",
                 "--host", "127.0.0.1", "--port", str(port)]
     assert binary is not None
     # 16 slots of 4608 tokens: room for the longest mixed request (4096 + 128) in every slot.
     return [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "--parallel", "16",
-            "-t", "2", "-c", "73728"]
+            "-t", "2", "-c", "73728", *peer_args]
 
 
 def wait_healthy(port: int, proc: subprocess.Popen, timeout: float = 300.0) -> None:
@@ -96,11 +98,12 @@ def bench(engine: str, port: int, out_dir: str, name: str, traffic: Sequence[str
 
 
 def measure(engine: str, gguf: str, binary: str | None, out_dir: str, name: str,
-            traffic: Sequence[str], num_prompts: int) -> dict[str, Any]:
+            traffic: Sequence[str], num_prompts: int, peer_args: Sequence[str] = ()
+            ) -> dict[str, Any]:
     """Starts the engine fresh, runs one bench, stops it."""
     port = free_port()
     log = open(os.path.join(out_dir, f"{engine}-{name}.log"), "w")
-    proc = subprocess.Popen(server_command(engine, port, gguf, binary), stdout=log,
+    proc = subprocess.Popen(server_command(engine, port, gguf, binary, peer_args), stdout=log,
                             stderr=subprocess.STDOUT)
     try:
         wait_healthy(port, proc)
@@ -147,7 +150,12 @@ def main() -> int:
     p.add_argument("--capacity-prompts", type=int, default=48)
     p.add_argument("--open-loop-prompts", type=int, default=30)
     p.add_argument("--load", type=float, default=0.7, help="open-loop rate / peer's capacity")
+    p.add_argument("--peer-args", default="",
+                   help="extra llama-server flags as one string, e.g. --peer-args=--no-repack "
+                        "(on a KVM host with AMX, llama.cpp's AMX matmul crashed at start-up on "
+                        "2026-12-01; --no-repack keeps weights out of its AMX buffers)")
     args = p.parse_args()
+    peer_args = shlex.split(args.peer_args)
     from chunkserve.model.loader import resolve_model_path
 
     os.makedirs(args.out, exist_ok=True)
@@ -158,23 +166,25 @@ def main() -> int:
     closed = ["--max-concurrency", "16", "--request-rate", "inf"]
     for engine in (PEER, "chunkserve"):
         results[engine]["capacity"] = measure(engine, gguf, binary, args.out, "capacity", closed,
-                                              args.capacity_prompts)
+                                              args.capacity_prompts, peer_args)
     rate = args.load * results[PEER]["capacity"]["request_throughput"]
     for engine in ENGINES:
         results[engine]["open-loop"] = measure(engine, gguf, binary, args.out, "open-loop",
                                                ["--request-rate", f"{rate:.4f}"],
-                                               args.open_loop_prompts)
+                                               args.open_loop_prompts, peer_args)
     for engine in ENGINES:
         for result in results[engine].values():
             result["failed"] = failed_count(result)
     report = {"cpu": cpu_info(), "gguf": os.path.basename(gguf), "load": args.load,
+              "peer_args": peer_args,
               "elapsed_s": round(time.time() - started), "results": results}
     with open(os.path.join(args.out, "comparison.json"), "w") as f:
         json.dump(report, f, indent=1)
     cpu = report["cpu"]
     text = (f"# chunkserve vs llama-server on {cpu['model']} ({cpu['cores']} cores; "
             f"{' '.join(cpu['flags'])})\n\nModel {report['gguf']}; command "
-            f"`python benchmarks/compare_llama_server.py --out {args.out}` "
+            f"`python benchmarks/compare_llama_server.py --out {args.out}"
+            + (f" --peer-args='{args.peer_args}'" if peer_args else "") + "` "
             f"({report['elapsed_s']} s).\n\n" + side_by_side(results))
     with open(os.path.join(args.out, "comparison.md"), "w") as f:
         f.write(text)

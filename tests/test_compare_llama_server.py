@@ -37,6 +37,10 @@ def test_failed_count_and_server_commands():
     assert chunk[-4:] == ["--host", "127.0.0.1", "--port", "8123"]
     llama = cmp.server_command("llama-server", 8124, "/m.gguf", "/bin/llama-server")
     assert llama[:3] == ["/bin/llama-server", "-m", "/m.gguf"] and "--parallel" in llama
+    extra = cmp.server_command("llama-server", 8124, "/m.gguf", "/bin/llama-server",
+                               ["--no-repack"])
+    assert extra == llama + ["--no-repack"]
+    assert cmp.server_command("chunkserve", 8123, "/m.gguf", None, ["--no-repack"]) == chunk
 
 
 def test_cpu_info_names_model_and_flags():
