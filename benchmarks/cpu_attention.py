@@ -17,7 +17,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 import numpy as np
 import torch
@@ -28,6 +27,7 @@ from chunkserve.model.attention_torch import TorchPagedAttention
 from chunkserve.model.batch import BatchLayout, DeviceStager
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from engine_speed import median_time  # noqa: E402
 from host import cpu_model  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
@@ -44,13 +44,7 @@ def decode_layout(num_seqs: int, context: int, seed: int = 0) -> BatchLayout:
 
 
 def median_ms(fn, repeats: int) -> float:  # type: ignore[no-untyped-def]
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+    return median_time(fn, repeats) * 1e3
 
 
 @torch.inference_mode()

@@ -115,3 +115,27 @@ def test_mixed_dtypes_are_refused():
     with pytest.raises(TypeError, match="all float32 or all bfloat16"):
         backend.forward(q, q[:, :2].to(torch.bfloat16), q[:, :2].to(torch.bfloat16), cache,
                         cache, meta)
+
+
+def test_unwritable_cache_is_a_clear_error(monkeypatch, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")  # a file where the cache folder should go
+    monkeypatch.setenv("CHUNKSERVE_CACHE_DIR", str(blocker))
+    with pytest.raises(cpu_kernel.KernelBuildError, match="cannot write"):
+        cpu_kernel._build(cpu_kernel._compiler())
+
+
+def test_explicit_cpu_backend_without_a_kernel_is_a_value_error(monkeypatch):
+    """`--attention-backend cpu` where the kernel cannot build: a message, not a traceback (the
+    command line reports ValueErrors)."""
+    from chunkserve.model.attention_select import make_attention_backend
+    from chunkserve.model.llama_config import LlamaConfig
+
+    def no_compiler() -> None:
+        raise cpu_kernel.KernelBuildError("found no C compiler")
+
+    monkeypatch.setattr(cpu_kernel, "load", no_compiler)
+    tiny = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                       num_attention_heads=4, num_key_value_heads=2)
+    with pytest.raises(ValueError, match="no C compiler"):
+        make_attention_backend("cpu", tiny, torch.device("cpu"))

@@ -28,8 +28,9 @@ ARGTYPES = [_ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i
             _f32, _i64]
 
 
-class KernelBuildError(RuntimeError):
-    pass
+class KernelBuildError(ValueError):
+    """The kernel cannot be built or loaded here; a ValueError like every backend's refusal, so
+    the command line prints it as a message (and `auto` falls back to `torch`)."""
 
 
 def cache_dir() -> str:
@@ -66,10 +67,14 @@ def _build(cc: str) -> str:
     path = os.path.join(cache_dir(), f"paged_decode-{key}.so")
     if os.path.isfile(path):
         return path
-    os.makedirs(cache_dir(), exist_ok=True)
-    # Built beside its final name and renamed: two processes building at once never load a
-    # half-written library.
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache_dir())
+    try:
+        os.makedirs(cache_dir(), exist_ok=True)
+        # Built beside its final name and renamed: two processes building at once never load
+        # a half-written library.
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache_dir())
+    except OSError as e:
+        raise KernelBuildError(f"cannot write the CPU kernel's cache folder {cache_dir()} ({e}); "
+                               "set CHUNKSERVE_CACHE_DIR, or use --attention-backend torch.") from e
     os.close(fd)
     try:
         done = subprocess.run([cc, *CFLAGS, SOURCE, "-o", tmp, "-lm"], capture_output=True,
