@@ -80,6 +80,18 @@ class CostModel(Protocol):
     def breakdown(self, shape: StepShape) -> dict[str, float]: ...
 
 
+@dataclass
+class ScaledCostModel:
+    """Another cost model's steps, every term `factor`× as long: the machine slower (or faster)
+    than its profile says, as a shared or drifting host often is."""
+
+    base: CostModel
+    factor: float
+
+    def breakdown(self, shape: StepShape) -> dict[str, float]:
+        return {k: v * self.factor for k, v in self.base.breakdown(shape).items()}
+
+
 def step_time(model: CostModel, shape: StepShape) -> float:
     return sum(model.breakdown(shape).values())
 

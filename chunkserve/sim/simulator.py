@@ -17,7 +17,7 @@ from chunkserve.engine.clock import VirtualClock
 from chunkserve.engine.llm_engine import LLMEngine
 from chunkserve.engine.processor import Processor
 from chunkserve.sim.cost_executor import CostModelExecutor
-from chunkserve.sim.cost_model import CostModel, planned_step_time
+from chunkserve.sim.cost_model import CostModel, ScaledCostModel, planned_step_time
 
 
 @dataclass(frozen=True)
@@ -32,15 +32,16 @@ class SimConfig:
 
 
 def sim_engine(point: SweepPoint, config: SimConfig, cost_model: CostModel,
-               clock: VirtualClock) -> LLMEngine:
-    """The engine of one simulated configuration; `clock` is what its steps advance."""
+               clock: VirtualClock, planner: CostModel | None = None) -> LLMEngine:
+    """The engine of one simulated configuration; `clock` is what its steps advance. The
+    adaptive policy sizes chunks with `planner` (default: the cost model that times the steps;
+    another one simulates a machine whose speed differs from the model the engine plans with)."""
     engine_config = EngineConfig.from_kwargs(
         max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
         block_size=config.block_size, num_kv_blocks=config.num_kv_blocks,
         preemption_mode=config.preemption_mode,
         enable_prefix_caching=config.enable_prefix_caching, **point.engine_kwargs(),
-        # The adaptive policy plans with the very cost model that times the steps.
-        **({"step_time": planned_step_time(cost_model)} if point.adaptive else {}),
+        **({"step_time": planned_step_time(planner or cost_model)} if point.adaptive else {}),
     ).resolve(config.max_model_len)
     executor = CostModelExecutor(cost_model, clock, config.num_kv_blocks, config.num_swap_blocks)
     # No tokenizer (outputs carry no text) and no vocabulary check (placeholder tokens).
@@ -59,8 +60,14 @@ class Workbench:
     arrivals: Sequence[float]
     rate: float  # req/s of the arrivals (inf: all at once)
 
-    def run(self, point: SweepPoint) -> RunResult:
-        return simulate(point, self.config, self.cost, self.requests, self.arrivals)
+    def run(self, point: SweepPoint, slowdown: float = 1.0) -> RunResult:
+        """One configuration; `slowdown` > 1 runs it on a machine that many times slower than
+        the cost model, whose adaptive policy still plans with the model (as a real engine
+        planning with a stale profile would)."""
+        if slowdown == 1.0:
+            return simulate(point, self.config, self.cost, self.requests, self.arrivals)
+        return simulate(point, self.config, ScaledCostModel(self.cost, slowdown), self.requests,
+                        self.arrivals, planner=self.cost)
 
 
 def simulate(
@@ -69,7 +76,9 @@ def simulate(
     cost_model: CostModel,
     requests: Sequence[BenchRequest],
     arrivals: Sequence[float],
+    planner: CostModel | None = None,
 ) -> RunResult:
     """Replays the workload on the virtual clock; the same shape of result as a real sweep."""
     clock = VirtualClock()
-    return replay(sim_engine(point, config, cost_model, clock), point, requests, arrivals, clock)
+    engine = sim_engine(point, config, cost_model, clock, planner)
+    return replay(engine, point, requests, arrivals, clock)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
 
@@ -17,7 +18,7 @@ from chunkserve.sim.cli import add_target_args, sim_workbench
 from chunkserve.tune.flags import chunkserve_line, vllm_line
 from chunkserve.tune.report import format_text, tune_dict
 from chunkserve.sim.simulator import Workbench
-from chunkserve.tune.search import Evaluated, TuneResult, search
+from chunkserve.tune.search import PROFILE_SPEED_MARGIN, Evaluated, TuneResult, search
 from chunkserve.tune.slo import OBJECTIVES, parse_slos
 from chunkserve.tune.space import DEFAULT_BUDGETS, SearchSpace, neighbours
 from chunkserve.tune.verify import MeasureRuns, format_verify, verify, verify_points
@@ -41,6 +42,11 @@ def add_tune_args(p: argparse.ArgumentParser) -> None:
                    help="the static budgets to try (the no-chunk baseline is always tried)")
     p.add_argument("--baseline", choices=NO_CHUNK_SCHEDULERS, default="prefill-first",
                    help="scheduler of the no-chunk baseline")
+    p.add_argument("--speed-margin", type=float, default=None, metavar="X",
+                   help="also simulate every configuration on a machine X times slower than "
+                        "--hardware says, and hold it to the SLOs and the objective there too "
+                        f"(1: no margin; default {PROFILE_SPEED_MARGIN} with a profile file, "
+                        "whose machine may drift, 1 with a hardware preset)")
     p.add_argument("--json", action="store_true", help="print the answer as JSON")
     p.add_argument("--verify", action="store_true",
                    help="replay the pick and its two neighbours on the real engine (--hardware "
@@ -54,6 +60,11 @@ def check_tune_args(args: argparse.Namespace) -> tuple[dict[str, float], SearchS
     budgets = parse_chunk_sizes(args.chunk_sizes)
     if args.num_prompts < 1:
         raise ValueError(f"--num-prompts must be at least 1, got {args.num_prompts}")
+    if args.speed_margin is None:
+        args.speed_margin = PROFILE_SPEED_MARGIN if os.path.isfile(args.hardware) else 1.0
+    if not args.speed_margin >= 1.0:
+        raise ValueError(f"--speed-margin must be at least 1 (1: no margin), got "
+                         f"{args.speed_margin}")
     if args.load is not None and not args.load > 0:
         raise ValueError(f"--load must be a positive fraction of capacity, got {args.load}")
     if args.request_rate is None and args.load is None:
@@ -74,7 +85,7 @@ def answer(args: argparse.Namespace, result: TuneResult, bench: Workbench,
     lines = {"chunkserve": chunkserve_line(pick.point, args.model, args.hardware,
                                            args.max_num_seqs), "vllm": vllm, "vllm_note": note}
     d = tune_dict(result, slos, args.objective, explain(pick, below, above, slos, prompt_lens),
-                  lines)
+                  lines, args.speed_margin)
     rate = bench.rate if bench.rate != float("inf") else "inf"
     d["workload"] = {"dataset_name": args.dataset_name, "num_prompts": len(bench.requests),
                      "request_rate": rate, "hardware": args.hardware, "model": args.model}
@@ -87,7 +98,7 @@ def run_tune(args: argparse.Namespace, measure: MeasureRuns | None = None) -> in
     if args.verify and measure is None:
         raise ValueError("--verify needs the real engine")
     bench = sim_workbench(args, log=lambda line: print(line, file=sys.stderr))  # stdout: answer
-    result = search(bench, space, slos, args.objective)
+    result = search(bench, space, slos, args.objective, args.speed_margin)
     d, evals = answer(args, result, bench, slos)
     if args.verify:
         assert measure is not None

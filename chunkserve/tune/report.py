@@ -3,8 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from chunkserve.tune.search import TIE, Evaluated, TuneResult, worst_ratio
-from chunkserve.tune.slo import meets, objective_value
+from chunkserve.tune.search import TIE, Evaluated, TuneResult
 from chunkserve.tune.space import describe, kind
 
 RUNNERS_UP = 5
@@ -17,16 +16,19 @@ def candidate(e: Evaluated, slos: dict[str, float], objective: str) -> dict[str,
     return {
         "config": describe(e.point), "kind": kind(e.point), "chunk_size": e.point.chunk_size,
         "scheduler": e.point.scheduler, **e.point.policy_keys(), "budget": e.budget,
-        "meets_slos": meets(e.entry, slos), "worst_slo_ratio": worst_ratio(e, slos),
-        "objective_value": objective_value(e.entry, objective),
+        "meets_slos": e.meets(slos), "worst_slo_ratio": e.worst_ratio(slos),
+        "objective_value": e.value(objective),
         **{k: e.entry.get(k) for k in METRIC_KEYS},
+        # The same configuration on the slower machine of --speed-margin (None: no margin).
+        "slower": None if e.slow_entry is None else {k: e.slow_entry.get(k) for k in METRIC_KEYS},
     }
 
 
 def tune_dict(result: TuneResult, slos: dict[str, float], objective: str,
-              why: dict[str, Any], lines: dict[str, Any]) -> dict[str, Any]:
+              why: dict[str, Any], lines: dict[str, Any], speed_margin: float) -> dict[str, Any]:
     ranked = [candidate(e, slos, objective) for e in result.ranked]
-    return {"objective": objective, "slos_ms": slos, "recommendation": ranked[0],
+    return {"objective": objective, "slos_ms": slos, "speed_margin": speed_margin,
+            "recommendation": ranked[0],
             "commands": lines, "why": why, "runners_up": ranked[1:1 + RUNNERS_UP],
             "tied": result.tied, "all": ranked, "skipped": result.skipped}
 
@@ -50,9 +52,15 @@ def _bound_lines(b: dict[str, Any] | None, side: str) -> list[str]:
 def format_text(d: dict[str, Any]) -> str:
     r, why, cmd = d["recommendation"], d["why"], d["commands"]
     slos = ", ".join(f"{k} ≤ {v:g} ms" for k, v in d["slos_ms"].items()) or "none"
-    verdict = "meets every SLO" if r["meets_slos"] else "meets NO configuration's SLOs: closest"
-    lines = [f"objective: {d['objective']}; SLOs: {slos}",
+    verdict = ("meets every SLO" if r["meets_slos"]
+               else "NO configuration meets the SLOs: this one comes closest")
+    margin = d["speed_margin"]
+    lines = [f"objective: {d['objective']}; SLOs: {slos}"
+             + (f"; judged at --hardware's speed and {margin:g}x slower (--speed-margin)"
+                if r["slower"] else ""),
              f"recommendation: {r['config']} ({verdict})", f"  predicted: {_metrics(r)}"]
+    if r["slower"]:
+        lines.append(f"  {margin:g}x slower: {_metrics(r['slower'])}")
     if d["tied"] > 1:
         lines.append(f"  ({d['tied']} configurations are within {TIE:.0%} of the best "
                      f"{d['objective']}: this is the simplest, then the one with the most SLO "

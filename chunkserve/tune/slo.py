@@ -56,6 +56,11 @@ def goodput_slos(slos: dict[str, float]) -> dict[str, float] | None:
     return per_request or None
 
 
+def all_per_request(slos: dict[str, float]) -> bool:
+    """Whether goodput accounts for every SLO (it has no per-request form of ITL)."""
+    return bool(slos) and not any(k.startswith("itl") for k in slos)
+
+
 def objective_value(entry: dict[str, Any], objective: str) -> float:
     """Higher is better: goodput (req/s), throughput (output tok/s), or −TTFT p99 (ms)."""
     if objective == "goodput":
