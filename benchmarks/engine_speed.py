@@ -361,8 +361,9 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--dtype", default="both",
                    choices=["auto", "float32", "bfloat16", "int8", "both", "all"],
-                   help="int8: --quantization int8 (float32 activations); both: float32 and "
-                        "bfloat16; all: the three")
+                   help="auto: what the engine picks by default (dtype and --quantization "
+                        "auto); int8: --quantization int8 in the auto dtype; both: float32 and "
+                        "bfloat16 (dense); all: the three")
     p.add_argument("--repeats", type=int, default=3, help="prefill runs per size (median)")
     p.add_argument("--decode-steps", type=int, default=8, help="measured decode steps per batch")
     p.add_argument("--quick", action="store_true",
@@ -375,13 +376,14 @@ def bench_dtype(name: str, args: argparse.Namespace) -> tuple[str, Roofline, lis
     batches = QUICK_DECODE_BATCHES if args.quick else DECODE_BATCHES
     steps = 3 if args.quick else args.decode_steps
     # Room for the longest prompt plus its sampled token; 4608 for the full run.
-    quantization = "int8" if name == "int8" else "none"
-    dtype = "float32" if name == "int8" else name
+    quantization = {"int8": "int8", "auto": "auto"}.get(name, "none")
+    dtype = "auto" if name == "int8" else name
     loaded = load_model(MODEL, dtype, max_model_len=max(max(prefill_sizes), DECODE_CONTEXT) + 512,
                         quantization=quantization)
     engine, max_tokens = make_engine(loaded, prefill_sizes, batches, steps)
     cost = ModelCost.of(loaded)
-    label = "int8" if loaded.model.quantization else str(loaded.model.dtype).removeprefix("torch.")
+    label = str(loaded.model.dtype).removeprefix("torch.")
+    label = f"int8/{label}" if loaded.model.quantization else label
 
     print(f"\n== {label} ({engine.num_kv_blocks} KV blocks, weights "
           f"{cost.weight_bytes / 1e6:.0f} MB) ==", flush=True)

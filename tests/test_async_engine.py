@@ -88,3 +88,38 @@ def test_admission_tickets_and_fail_all(tiny_model_dir):
             await asyncio.to_thread(ae.shutdown)
 
     asyncio.run(main())
+
+
+def test_the_loop_runs_on_the_thread_that_built_the_engine(tiny_model_dir):
+    """One OpenMP pool per process (engine/compute_thread.py): the server builds the engine on
+    its compute thread, and every step then runs on that same thread."""
+    import threading
+
+    from chunkserve.engine.compute_thread import ComputeThread
+
+    compute = ComputeThread()
+    built_on, stepped_on = compute.call(threading.get_ident), set()
+    engine = compute.call(lambda: LLMEngine.from_kwargs(
+        model=tiny_model_dir, dtype="float32", max_model_len=256))
+    real_step = engine.step
+
+    def step():  # type: ignore[no-untyped-def]
+        stepped_on.add(threading.get_ident())
+        return real_step()
+
+    engine.step = step  # type: ignore[method-assign]
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+
+    async def main() -> None:
+        ae = AsyncEngine(engine, compute=compute)
+        ae.start()
+        try:
+            async for out in ae.generate(engine.processor.process_inputs("r", [10, 11], params)):
+                pass
+            assert out.finished and ae.is_healthy
+        finally:
+            await asyncio.to_thread(ae.shutdown)
+        assert not ae.is_healthy
+
+    asyncio.run(main())
+    assert stepped_on == {built_on}

@@ -148,7 +148,8 @@ def profile(model: str, dtype: str, quick: bool = False, block_size: int = 16) -
         "machine": platform.processor() or platform.machine(),
         "model": model,
         "dtype": str(loaded.model.dtype).removeprefix("torch."),
-        # int8 weights compute in float32, so the dtype alone does not say what was timed.
+        # int8 weights keep a dense copy for prefill rows: the dtype alone does not say what
+        # was timed.
         "quantization": loaded.model.quantization or "none",
         "device": str(loaded.model.device),
         "block_size": block_size,

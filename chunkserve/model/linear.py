@@ -3,14 +3,15 @@
 `DenseLinear` is `F.linear` in the model's compute dtype (float32, or bfloat16 where the CPU
 has native bf16 dot products, and on CUDA). `Int8Linear` is `--quantization int8`: weight-only
 int8 with one scale per output channel, quantized once at load. A decode step is bound by
-streaming the weights from memory, and int8 weights are a quarter of float32's bytes; PyTorch's
-CPU kernel for them (`_weight_int8pack_mm`) takes bfloat16 activations and accumulates in
-float32. It pays for few rows only: past `INT8_KERNEL_MAX_ROWS` (a prefill chunk) the GEMM is
-compute-bound, the int8 kernel is slower than a float32 GEMM, and dequantizing the weight on
+streaming the weights from memory, and int8 weights are a quarter of float32's bytes and half
+of bfloat16's; PyTorch's CPU kernel for them (`_weight_int8pack_mm`) takes bfloat16 activations
+and accumulates in float32 (given float32 activations it is 8x slower: they are always cast).
+It pays for few rows only: past `INT8_KERNEL_MAX_ROWS` (a prefill chunk) the GEMM is
+compute-bound, the int8 kernel is slower than a dense GEMM, and dequantizing the weight on
 every call costs more than the GEMM itself (measured: 2.5 ms vs 1.6 ms for 64 rows of a
-576x1536 weight). So the layer also keeps the dequantized float32 weight for those rows: 1.25x
-float32's memory, bought for decode steps that stream a quarter of the bytes. The activations'
-precision is bfloat16's for decodes, as on CPUs that run bf16.
+576x1536 weight). So the layer also keeps the dequantized weight in the compute dtype for those
+rows: 1.25x float32's memory (1.5x bfloat16's), bought for decode steps that stream a quarter
+(a half) of the bytes. The activations' precision is bfloat16's for decodes.
 """
 from __future__ import annotations
 
@@ -42,14 +43,16 @@ class DenseLinear:
 
 
 class Int8Linear:
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> None:
+        """`dtype`: the activations' (the model's compute dtype), and the dense copy's."""
         w = weight.float()
+        self.dtype = dtype
         # Symmetric per output channel; an all-zero row keeps a tiny scale instead of 0/0.
         scales = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
         self.qweight = torch.round(w / scales[:, None]).clamp_(-127, 127).to(torch.int8)
         self.scales = scales  # float32, for the dequantized path
         self.scales_bf16 = scales.to(torch.bfloat16)  # the kernel takes the activations' dtype
-        self.dense = self.dequantized()  # the weight that compute-bound rows multiply by
+        self.dense = self.dequantized().to(dtype)  # the weight compute-bound rows multiply by
         self.shape = tuple(weight.shape)  # type: ignore[assignment]
         # What a decode step reads; prefill chunks read `dense` (not counted: compute-bound).
         self.weight_bytes = self.qweight.numel() + 4 * scales.numel()
@@ -57,18 +60,21 @@ class Int8Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] <= INT8_KERNEL_MAX_ROWS:
             return torch._weight_int8pack_mm(x.to(torch.bfloat16).contiguous(), self.qweight,
-                                             self.scales_bf16).float()
-        return F.linear(x.float(), self.dense)
+                                             self.scales_bf16).to(self.dtype)
+        return F.linear(x.to(self.dtype), self.dense)
 
     def dequantized(self) -> torch.Tensor:
         return self.qweight.float() * self.scales[:, None]
 
 
-def make_linear(weight: torch.Tensor, quantization: str | None) -> Linear:
+def make_linear(weight: torch.Tensor, quantization: str | None,
+                dtype: torch.dtype | None = None) -> Linear:
+    """`dtype`: the compute dtype (default: the weight's)."""
+    dtype = dtype or weight.dtype
     if quantization is None:
-        return DenseLinear(weight)
+        return DenseLinear(weight.to(dtype))
     if quantization == "int8":
         if weight.device.type != "cpu":
             raise ValueError("quantization 'int8' runs on the CPU only")
-        return Int8Linear(weight)
+        return Int8Linear(weight, dtype)
     raise ValueError(f"quantization must be 'int8' or None, got {quantization!r}")

@@ -29,14 +29,15 @@ class LlamaLayer:
                  device: torch.device, quantization: str | None = None):
         p = f"model.layers.{i}."
 
-        def take(name: str) -> torch.Tensor:
-            return _take(w, p + name, dtype, device)
-
         def linear(*names: str) -> Linear:
-            return make_linear(torch.cat([take(n) for n in names]), quantization)
+            # int8 is quantized from the float32 weights, not from a bf16 rounding of them.
+            source = torch.float32 if quantization else dtype
+            weight = torch.cat([_take(w, p + n, source, device) for n in names])
+            return make_linear(weight, quantization, dtype)
 
-        self.input_norm = take("input_layernorm.weight")
-        self.post_norm = take("post_attention_layernorm.weight")
+        # Norm weights stay float32 whatever the compute dtype: RMSNorm runs in float32.
+        self.input_norm = _take(w, p + "input_layernorm.weight", torch.float32, device)
+        self.post_norm = _take(w, p + "post_attention_layernorm.weight", torch.float32, device)
         self.qkv = linear("self_attn.q_proj.weight", "self_attn.k_proj.weight",
                           "self_attn.v_proj.weight")
         self.o = linear("self_attn.o_proj.weight")
@@ -58,11 +59,8 @@ class LlamaModel:
         quantization: str | None = None,
     ) -> None:
         """Consumes `weights`: each tensor is removed from the dict as the model takes it.
-        With `quantization="int8"` every linear layer and the LM head are int8 (linear.py) and
-        `dtype` must be float32: it is then the activations' dtype."""
-        if quantization is not None and dtype != torch.float32:
-            raise ValueError(f"quantization {quantization!r} takes float32 activations, "
-                             f"not {dtype}")
+        With `quantization="int8"` every linear layer and the LM head are int8 (linear.py);
+        `dtype` is then the activations' dtype and that of the dense copy prefill rows use."""
         self.cfg = cfg
         self.device = torch.device(device)
         self.dtype = dtype  # of the linear layers' weights and inputs
@@ -71,15 +69,15 @@ class LlamaModel:
         # with AMX, SDPA over bfloat16 prefill chunks is 2.3-2.8x faster than over float32,
         # and decode attention (the `cpu` backend's kernel) is bound by reading K/V, so half
         # the bytes. (PyTorch's own bf16 SDPA *decode* path is slow: the `torch` backend is
-        # the reference there, not the fast path.) int8 weights take float32 activations.
+        # the reference there, not the fast path.)
         self.kv_dtype = dtype
         dev = self.device
         self.embed = _take(weights, "model.embed_tokens.weight", dtype, dev)
         head = weights.pop("lm_head.weight", None)
         tied = head is None or cfg.tie_word_embeddings
         head = self.embed if tied else head.to(device=dev, dtype=dtype)  # type: ignore[union-attr]
-        self.lm_head = make_linear(head, quantization)
-        self.norm = _take(weights, "model.norm.weight", dtype, dev)
+        self.lm_head = make_linear(head, quantization, dtype)
+        self.norm = _take(weights, "model.norm.weight", torch.float32, dev)
         self.layers = [
             LlamaLayer(cfg, weights, i, dtype, dev, quantization)
             for i in range(cfg.num_hidden_layers)
@@ -111,19 +109,19 @@ class LlamaModel:
         h = self.embed[input_ids].float()
         T = h.shape[0]
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            x = rms_norm(h, layer.input_norm, eps)
+            x = rms_norm(h, layer.input_norm, eps, self.dtype)
             qkv = layer.qkv(x)
-            q, k, v = qkv.split([layer.q_size, layer.kv_size, layer.kv_size], dim=-1)
-            q = q.view(T, self.num_heads, self.head_dim)
-            k = k.view(T, self.num_kv_heads, self.head_dim)
-            v = v.view(T, self.num_kv_heads, self.head_dim).to(self.kv_dtype)
-            q = apply_rotary(q, cos, sin).to(self.kv_dtype)  # float32 until here
-            k = apply_rotary(k, cos, sin).to(self.kv_dtype)
+            qk_size = layer.q_size + layer.kv_size
+            # Q and K heads rotated in one pass (RoPE is per head): half the small ops.
+            qk = apply_rotary(qkv[:, :qk_size].view(T, -1, self.head_dim), cos, sin)
+            q, k = qk.to(self.kv_dtype).split([self.num_heads, self.num_kv_heads], dim=1)
+            v = qkv[:, qk_size:].view(T, self.num_kv_heads, self.head_dim).to(self.kv_dtype)
             attn = self.attn.forward(q, k, v, k_cache, v_cache, meta)
-            h = h + layer.o(attn).float()
-            x = rms_norm(h, layer.post_norm, eps)
-            h = h + layer.down(silu_and_mul(layer.gate_up(x))).float()
-        return rms_norm(h, self.norm, eps)
+            # In place, widening to float32 in the add: no temporary for the residual.
+            h += layer.o(attn)
+            x = rms_norm(h, layer.post_norm, eps, self.dtype)
+            h += layer.down(silu_and_mul(layer.gate_up(x)))
+        return rms_norm(h, self.norm, eps, self.dtype)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

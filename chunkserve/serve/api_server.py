@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from chunkserve import __version__
+from chunkserve.engine.compute_thread import ComputeThread
 from chunkserve.engine.llm_engine import LLMEngine
 from chunkserve.serve.async_engine import AsyncEngine
 from chunkserve.serve.cache_endpoints import router as cache_router
@@ -46,10 +47,12 @@ def build_app(
     api_key: str | None = None,
     max_waiting_requests: int | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    compute: ComputeThread | None = None,
 ) -> FastAPI:
+    """`compute`: the thread that built `engine`, where its loop will run (async_engine.py)."""
     metrics = ServerMetrics(served_model_name, engine.max_model_len, engine.num_kv_blocks,
                             engine.config.cache_config.block_size)
-    async_engine = AsyncEngine(engine, metrics)
+    async_engine = AsyncEngine(engine, metrics, compute)
     serving = Serving(async_engine, served_model_name, max_waiting_requests)
 
     @asynccontextmanager

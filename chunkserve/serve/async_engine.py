@@ -11,10 +11,10 @@ import asyncio
 import concurrent.futures
 import logging
 import queue
-import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+from chunkserve.engine.compute_thread import ComputeThread
 from chunkserve.engine.llm_engine import LLMEngine, StepError
 from chunkserve.engine.processor import EngineRequest
 from chunkserve.outputs import RequestOutput
@@ -85,14 +85,18 @@ _STOP = object()
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, metrics: ServerMetrics | None = None) -> None:
+    def __init__(self, engine: LLMEngine, metrics: ServerMetrics | None = None,
+                 compute: ComputeThread | None = None) -> None:
+        """`compute`: the thread that built `engine` (the loop then runs there too: one OpenMP
+        pool, engine/compute_thread.py); a thread of its own when None."""
         self.engine = engine
         self.metrics = metrics
+        self._compute = compute or ComputeThread()
         self._commands: queue.Queue[object] = queue.Queue()
         self._sinks: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._num_tokens: dict[str, int] = {}  # output tokens already reported, per request
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
+        self._running: concurrent.futures.Future[None] | None = None  # the loop, on `_compute`
         # What --max-waiting-requests counts: places reserved by admission, adds sent but not
         # applied, and the engine's waiting queue. The event loop writes the first two, the
         # engine thread `_published`: (adds applied, waiting) from one instant, replaced as one
@@ -108,21 +112,21 @@ class AsyncEngine:
     # ---- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="chunkserve-engine", daemon=True)
-        self._thread.start()
+        self._running = self._compute.start(self._run)
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Aborts whatever is still in flight and stops the engine thread."""
-        if self._thread is None:
+        if self._running is None:
             return
         self._commands.put(_STOP)
-        self._thread.join(timeout)
-        self._thread = None
+        concurrent.futures.wait([self._running], timeout)
+        self._running = None
+        self._compute.shutdown()
         self.engine.close()
 
     @property
     def is_healthy(self) -> bool:
-        return self.error is None and self._thread is not None and self._thread.is_alive()
+        return self.error is None and self._running is not None and not self._running.done()
 
     @property
     def num_waiting(self) -> int:

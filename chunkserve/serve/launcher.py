@@ -10,10 +10,15 @@ import signal
 import socket
 import sys
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import uvicorn
 
 from chunkserve.engine.arg_utils import add_engine_args, config_from_args
+from chunkserve.engine.compute_thread import ComputeThread
+
+if TYPE_CHECKING:
+    from chunkserve.engine.llm_engine import LLMEngine
 
 log = logging.getLogger("chunkserve.server")
 # SIGTERM/SIGINT: the process exits 0 within this many seconds (--shutdown-timeout). In-flight
@@ -66,8 +71,15 @@ class _Server(uvicorn.Server):
         yield
 
 
+def build_engine(args: argparse.Namespace) -> LLMEngine:
+    from chunkserve.engine.llm_engine import LLMEngine  # torch: not for `--help`
+
+    engine = LLMEngine.from_config(config_from_args(args))
+    engine.commit_kv_memory()  # RSS is flat from the start, not creeping up to it while serving
+    return engine
+
+
 def run_server(args: argparse.Namespace) -> int:
-    from chunkserve.engine.llm_engine import LLMEngine
     from chunkserve.serve.api_server import begin_shutdown, build_app
 
     if args.model_tag is not None:
@@ -77,10 +89,11 @@ def run_server(args: argparse.Namespace) -> int:
     if not args.shutdown_timeout >= 0:
         raise ValueError("--shutdown-timeout must be non-negative")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    engine = LLMEngine.from_config(config_from_args(args))
-    engine.commit_kv_memory()  # RSS is flat from the start, not creeping up to it while serving
+    # Built on the thread its loop will run on: one OpenMP pool (engine/compute_thread.py).
+    compute = ComputeThread()
+    engine = compute.call(lambda: build_engine(args))
     name = args.served_model_name or args.model
-    app = build_app(engine, name, args.api_key, args.max_waiting_requests)
+    app = build_app(engine, name, args.api_key, args.max_waiting_requests, compute=compute)
     config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
         # uvicorn cancels what still runs at the deadline: only a backstop, since every
