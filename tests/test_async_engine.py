@@ -91,11 +91,11 @@ def test_admission_tickets_and_fail_all(tiny_model_dir):
 
 
 def test_the_loop_runs_on_the_thread_that_built_the_engine(tiny_model_dir):
-    """One OpenMP pool per process (engine/compute_thread.py): the server builds the engine on
+    """One OpenMP pool per process (serve/compute_thread.py): the server builds the engine on
     its compute thread, and every step then runs on that same thread."""
     import threading
 
-    from chunkserve.engine.compute_thread import ComputeThread
+    from chunkserve.serve.compute_thread import ComputeThread
 
     compute = ComputeThread()
     built_on, stepped_on = compute.call(threading.get_ident), set()

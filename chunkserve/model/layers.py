@@ -68,13 +68,6 @@ class RotaryEmbedding:
         shared by every layer."""
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
-    def __call__(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, heads, head_dim], k: [T, kv_heads, head_dim]; returns float32 rotated copies."""
-        cos, sin = self.cos_sin(positions)
-        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.float().chunk(2, dim=-1)

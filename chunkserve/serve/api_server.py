@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from chunkserve import __version__
-from chunkserve.engine.compute_thread import ComputeThread
+from chunkserve.serve.compute_thread import ComputeThread
 from chunkserve.engine.llm_engine import LLMEngine
 from chunkserve.serve.async_engine import AsyncEngine
 from chunkserve.serve.cache_endpoints import router as cache_router

@@ -14,7 +14,7 @@ import queue
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from chunkserve.engine.compute_thread import ComputeThread
+from chunkserve.serve.compute_thread import ComputeThread
 from chunkserve.engine.llm_engine import LLMEngine, StepError
 from chunkserve.engine.processor import EngineRequest
 from chunkserve.outputs import RequestOutput
@@ -88,7 +88,7 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine, metrics: ServerMetrics | None = None,
                  compute: ComputeThread | None = None) -> None:
         """`compute`: the thread that built `engine` (the loop then runs there too: one OpenMP
-        pool, engine/compute_thread.py); a thread of its own when None."""
+        pool, serve/compute_thread.py); a thread of its own when None."""
         self.engine = engine
         self.metrics = metrics
         self._compute = compute or ComputeThread()

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import uvicorn
 
 from chunkserve.engine.arg_utils import add_engine_args, config_from_args
-from chunkserve.engine.compute_thread import ComputeThread
+from chunkserve.serve.compute_thread import ComputeThread
 
 if TYPE_CHECKING:
     from chunkserve.engine.llm_engine import LLMEngine
@@ -89,7 +89,7 @@ def run_server(args: argparse.Namespace) -> int:
     if not args.shutdown_timeout >= 0:
         raise ValueError("--shutdown-timeout must be non-negative")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    # Built on the thread its loop will run on: one OpenMP pool (engine/compute_thread.py).
+    # Built on the thread its loop will run on: one OpenMP pool (serve/compute_thread.py).
     compute = ComputeThread()
     engine = compute.call(lambda: build_engine(args))
     name = args.served_model_name or args.model

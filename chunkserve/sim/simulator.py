@@ -64,10 +64,8 @@ class Workbench:
         """One configuration; `slowdown` > 1 runs it on a machine that many times slower than
         the cost model, whose adaptive policy still plans with the model (as a real engine
         planning with a stale profile would)."""
-        if slowdown == 1.0:
-            return simulate(point, self.config, self.cost, self.requests, self.arrivals)
-        return simulate(point, self.config, ScaledCostModel(self.cost, slowdown), self.requests,
-                        self.arrivals, planner=self.cost)
+        cost = self.cost if slowdown == 1.0 else ScaledCostModel(self.cost, slowdown)
+        return simulate(point, self.config, cost, self.requests, self.arrivals, self.cost)
 
 
 def simulate(

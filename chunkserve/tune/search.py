@@ -85,8 +85,6 @@ def evaluate(point: SweepPoint, bench: Workbench, slos: dict[str, float],
 
 def search(bench: Workbench, space: SearchSpace, slos: dict[str, float], objective: str,
            speed_margin: float = 1.0) -> TuneResult:
-    if not speed_margin >= 1.0:
-        raise ValueError(f"--speed-margin must be at least 1 (1: no margin), got {speed_margin}")
     stage1 = [evaluate(p, bench, slos, speed_margin)
               for p in ladder(space, bench.config.max_model_len)]
     static = [e for e in stage1 if e.point.chunk_size is not None]
