@@ -104,6 +104,42 @@ def test_bfloat16_cache_matches_a_float32_reference_on_the_same_values(spec, hea
     assert torch.equal(kc.float(), ref_k) and torch.equal(vc.float(), ref_v)
 
 
+def _compare_bf16_decodes(layout, heads: int, kv_heads: int, head_dim: int) -> None:  # type: ignore[no-untyped-def]
+    ref, _, _ = run_step(TorchPagedAttention(heads, kv_heads, head_dim), layout, heads,
+                         kv_heads, head_dim, values_in=torch.bfloat16)
+    out, _, _ = run_step(CpuPagedAttention(heads, kv_heads, head_dim), layout, heads, kv_heads,
+                         head_dim, dtype=torch.bfloat16)
+    decode = torch.from_numpy(layout.query_lens == 1).repeat_interleave(
+        torch.from_numpy(layout.query_lens))
+    torch.testing.assert_close(out[decode].float(), ref[decode], atol=1e-2, rtol=2 ** -8)
+
+
+# The AVX512_BF16 path (paged_decode_bf16.h) where the CPU has it: head sizes 64 and 128, runs
+# of 16 tokens cut by blocks smaller, equal and larger than a run, and query-head groups that
+# fill its register passes (4 heads of 64, 2 of 128) exactly, partly and more than once.
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [
+    (9, 3, 64), (4, 4, 64), (16, 2, 64), (10, 2, 64), (8, 2, 128), (6, 2, 128), (2, 2, 128)])
+def test_bfloat16_decodes_every_block_size_and_group(block_size, heads, kv_heads, head_dim):
+    spec = [(0, 1), (15, 1), (16, 1), (17, 1), (300, 1), (255, 1), (40, 30)]
+    _compare_bf16_decodes(make_layout(spec, block_size, contiguous=False), heads, kv_heads,
+                          head_dim)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    spec=st.lists(st.tuples(st.integers(0, 90), st.sampled_from([1, 1, 1, 5])),
+                  min_size=1, max_size=6),
+    block_size=st.sampled_from([8, 16, 32]),
+    group=st.sampled_from([1, 2, 3, 4, 5, 8]),
+    head_dim=st.sampled_from([64, 128]),
+    seed=st.integers(0, 100),
+)
+def test_bfloat16_decodes_random_batches(spec, block_size, group, head_dim, seed):
+    _compare_bf16_decodes(make_layout(spec, block_size, contiguous=False, seed=seed), 2 * group,
+                          2, head_dim)
+
+
 def test_mixed_dtypes_are_refused():
     layout = make_layout(DECODES, 16, contiguous=True)
     backend = CpuPagedAttention(4, 2, 16)

@@ -18,7 +18,8 @@ from functools import cache
 
 import torch  # noqa: F401  (first: its libgomp.so.1 is the one the kernel must bind to)
 
-SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_kernels", "paged_decode.c")
+SOURCE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_kernels")
+SOURCE = os.path.join(SOURCE_DIR, "paged_decode.c")  # includes the other files of its folder
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
@@ -59,8 +60,10 @@ def _cpu_id() -> str:
 
 
 def _build(cc: str) -> str:
-    with open(SOURCE, "rb") as f:
-        source = f.read()
+    source = b""
+    for name in sorted(os.listdir(SOURCE_DIR)):  # the .c file and the headers it includes
+        with open(os.path.join(SOURCE_DIR, name), "rb") as f:
+            source += name.encode() + f.read()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256(source + " ".join(CFLAGS).encode() + version.encode()
                          + _cpu_id().encode()).hexdigest()[:16]

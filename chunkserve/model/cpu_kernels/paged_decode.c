@@ -8,7 +8,9 @@
  * (max, sum, unnormalised output) that a second loop merges per decode. Decode attention is
  * bound by reading K and V; the loops run over head_dim on contiguous rows and are left to the
  * compiler to vectorize (-O3 -ffast-math -march=native; head_dim 64 and 128 are compiled as
- * constants; glibc's vector expf for the softmax).
+ * constants; glibc's vector expf for the softmax). bfloat16 caches with head_dim 64 or 128 on
+ * a CPU with AVX512_BF16 take a hand-vectorized path instead (paged_decode_bf16.h: 2x faster
+ * on a Zen 5, where the generic loop reached 8 GB/s of K/V).
  *
  * Tasks are spread with OpenMP. The library is linked against libgomp.so.1, which PyTorch has
  * already loaded (its wheels ship one under that soname), so the kernel runs on PyTorch's own
@@ -57,6 +59,29 @@ static inline void store(void *p, int64_t i, float x, const int bf16)
     ((uint16_t *)p)[i] = (uint16_t)(bits >> 16);
 }
 
+/* Each head's n scores (scores[hq * PART + j]) become exp(score - max); m, l: max and sum. */
+static inline void softmax_parts(int64_t heads, int64_t n, float *scores, float *m, float *l)
+{
+    for (int64_t hq = 0; hq < heads; hq++) {
+        float *s = scores + hq * PART, top = s[0], sum = 0.0f;
+        for (int64_t j = 1; j < n; j++)
+            top = s[j] > top ? s[j] : top;
+        for (int64_t j = 0; j < n; j++) {
+            s[j] = expf(s[j] - top);
+            sum += s[j];
+        }
+        m[hq] = top;
+        l[hq] = sum;
+    }
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include "paged_decode_bf16.h"
+#define HAVE_BF16_PATH 1
+#else
+#define HAVE_BF16_PATH 0
+#endif
+
 /* One part [begin, end) of one decode: scores, partial softmax and unnormalised output.
  * q: [heads, D] float32; m, l: [heads]; acc: [heads, D]; scores: [heads, PART] scratch. */
 static inline __attribute__((always_inline)) void
@@ -76,17 +101,7 @@ attend_part(const Cache *c, const int64_t D, const int bf16, const float *q, con
             scores[hq * PART + (j - begin)] = dot * c->scale;
         }
     }
-    for (int64_t hq = 0; hq < c->heads; hq++) {
-        float *s = scores + hq * PART, top = s[0], sum = 0.0f;
-        for (int64_t j = 1; j < n; j++)
-            top = s[j] > top ? s[j] : top;
-        for (int64_t j = 0; j < n; j++) {
-            s[j] = expf(s[j] - top);
-            sum += s[j];
-        }
-        m[hq] = top;
-        l[hq] = sum;
-    }
+    softmax_parts(c->heads, n, scores, m, l);
     memset(acc, 0, sizeof(float) * c->heads * D);
     for (int64_t j = begin; j < end; j++) {
         const int64_t slot = table[j / c->block_size] * c->block_size + j % c->block_size;
@@ -100,12 +115,21 @@ attend_part(const Cache *c, const int64_t D, const int bf16, const float *q, con
     }
 }
 
-static void attend_part_any(const Cache *c, int64_t D, int bf16, const float *q,
+/* q: this decode's query row as stored; qf: scratch for it in float32. */
+static void attend_part_any(const Cache *c, int64_t D, int bf16, const void *q, float *qf,
                             const int64_t *table, int64_t begin, int64_t end, float *scores,
                             float *m, float *l, float *acc)
 {
+#if HAVE_BF16_PATH
+    if (bf16 && D == 64)
+        return attend_part_bf16(c, 64, q, table, begin, end, scores, m, l, acc);
+    if (bf16 && D == 128)
+        return attend_part_bf16(c, 128, q, table, begin, end, scores, m, l, acc);
+#endif
+    for (int64_t i = 0; i < c->heads * D; i++)
+        qf[i] = load(q, i, bf16);
     /* Constants (head size, storage type) let the compiler unroll and vectorize fully. */
-#define CASE(d, b) attend_part(c, d, b, q, table, begin, end, scores, m, l, acc)
+#define CASE(d, b) attend_part(c, d, b, qf, table, begin, end, scores, m, l, acc)
     if (bf16) {
         if (D == 64) CASE(64, 1); else if (D == 128) CASE(128, 1); else CASE(D, 1);
     } else {
@@ -174,6 +198,7 @@ int paged_decode_attention(void *out, const void *q, const void *k_cache, const 
         }
         /* Every thread takes part in the loops (an OpenMP rule); one without a buffer skips. */
         int64_t s = 0;
+        const size_t elem = bf16 ? 2 : 4;
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < tasks; t++) {
             if (scores == NULL)
@@ -184,12 +209,10 @@ int paged_decode_attention(void *out, const void *q, const void *k_cache, const 
                 s--;
             const int64_t begin = (t - first[s]) * PART;
             const int64_t end = begin + PART < seq_lens[s] ? begin + PART : seq_lens[s];
-            for (int64_t i = 0; i < row_stride; i++)
-                qf[i] = load(q, rows[s] * row_stride + i, bf16);
-            attend_part_any(&c, head_dim, bf16, qf, block_table + s * table_width, begin, end,
-                            scores, m + t * heads, l + t * heads, acc + t * heads * head_dim);
+            attend_part_any(&c, head_dim, bf16, (const char *)q + rows[s] * row_stride * elem,
+                            qf, block_table + s * table_width, begin, end, scores,
+                            m + t * heads, l + t * heads, acc + t * heads * head_dim);
         }
-        const size_t elem = bf16 ? 2 : 4;
 #pragma omp for schedule(static)
         for (int64_t s2 = 0; s2 < num_seqs; s2++)
             if (!failed)

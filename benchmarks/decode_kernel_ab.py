@@ -1,0 +1,131 @@
+"""The CPU decode-attention kernel of this tree against a baseline commit's, on a whole step.
+
+`cpu_attention.py` times one layer, whose K/V (a few MB) then sit in the L3 cache; a served
+step reads every layer's K/V from DRAM. Here both kernels are compiled (the baseline's sources
+taken from git) and called directly, alternately, on a step of `--layers` layers, each with its
+own caches: B decodes of L context tokens in blocks of `--block-size` scattered over the pool
+(`--layout shuffled`, a pool after some serving) or request by request (`--layout sequential`,
+what a benchmark that prefills first gets). SmolLM2's heads (9 query, 3 KV, head size 64),
+bfloat16. Prints ms per step (median), the K/V read rate, and the largest output difference
+between the two kernels.
+
+    .venv/bin/python benchmarks/decode_kernel_ab.py --baseline HEAD [--batch 64 --context 512]
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+from chunkserve.model import cpu_kernel
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from host import cpu_model  # noqa: E402
+
+HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+KERNEL_DIR = "chunkserve/model/cpu_kernels"
+
+
+def compile_kernel(source_dir: str, out_dir: str) -> ctypes._CFuncPtr:  # type: ignore[name-defined]
+    so = os.path.join(out_dir, "kernel.so")
+    subprocess.run(["cc", *cpu_kernel.CFLAGS, os.path.join(source_dir, "paged_decode.c"),
+                    "-o", so, "-lm"], check=True)
+    fn = ctypes.CDLL(so).paged_decode_attention
+    fn.argtypes = cpu_kernel.ARGTYPES
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def baseline_sources(rev: str, out_dir: str) -> str:
+    """The kernel folder as of `rev`, written under out_dir."""
+    names = subprocess.run(["git", "ls-tree", "--name-only", f"{rev}:{KERNEL_DIR}"], cwd=REPO,
+                           check=True, capture_output=True, text=True).stdout.split()
+    for name in names:
+        blob = subprocess.run(["git", "show", f"{rev}:{KERNEL_DIR}/{name}"], cwd=REPO,
+                              check=True, capture_output=True).stdout
+        with open(os.path.join(out_dir, name), "wb") as f:
+            f.write(blob)
+    return out_dir
+
+
+class Step:
+    """`layers` layers of bfloat16 caches and block tables, and the call of one kernel on all."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        bs, b = args.block_size, args.batch
+        self.width = -(-args.context // bs)
+        rng = np.random.default_rng(0)
+        self.layers = []
+        for _ in range(args.layers):
+            blocks = b * self.width
+            order = rng.permutation(blocks) if args.layout == "shuffled" else np.arange(blocks)
+            kc, vc = (torch.randn(blocks, bs, KV_HEADS, HEAD_DIM).bfloat16() for _ in range(2))
+            self.layers.append((kc, vc, np.ascontiguousarray(order.reshape(b, self.width))))
+        self.q = torch.randn(b, HEADS, HEAD_DIM).bfloat16()
+        self.seq_lens = np.full(b, args.context, np.int64)
+        self.rows = np.arange(b, dtype=np.int64)
+
+    def run(self, fn: ctypes._CFuncPtr, out: torch.Tensor) -> float:  # type: ignore[name-defined]
+        t0 = time.perf_counter()
+        for kc, vc, table in self.layers:
+            fn(out.data_ptr(), self.q.data_ptr(), kc.data_ptr(), vc.data_ptr(), 1,
+               table.ctypes.data, self.width, self.seq_lens.ctypes.data, self.rows.ctypes.data,
+               self.args.batch, HEADS, KV_HEADS, HEAD_DIM, self.args.block_size,
+               HEAD_DIM ** -0.5, torch.get_num_threads())
+        return time.perf_counter() - t0
+
+    def kv_bytes(self) -> int:
+        a = self.args
+        return 2 * a.batch * a.context * KV_HEADS * HEAD_DIM * 2 * a.layers
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--baseline", default="HEAD", help="git revision to compare against")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--context", type=int, default=512)
+    p.add_argument("--layers", type=int, default=30)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--layout", choices=("shuffled", "sequential"), default="shuffled")
+    p.add_argument("--rounds", type=int, default=15)
+    args = p.parse_args()
+    print(f"{cpu_model()} | torch {torch.__version__} | {torch.get_num_threads()} threads")
+    with tempfile.TemporaryDirectory() as tmp:
+        os.makedirs(os.path.join(tmp, "base"))
+        kernels = {
+            args.baseline: compile_kernel(baseline_sources(args.baseline,
+                                                           os.path.join(tmp, "base")),
+                                          os.path.join(tmp, "base")),
+            "this tree": compile_kernel(os.path.join(REPO, KERNEL_DIR), tmp),
+        }
+        step = Step(args)
+        outs = {name: torch.empty(args.batch, HEADS, HEAD_DIM, dtype=torch.bfloat16)
+                for name in kernels}
+        times: dict[str, list[float]] = {name: [] for name in kernels}
+        for r in range(args.rounds):  # alternate, flipping the order each round
+            order = list(kernels.items())
+            for name, fn in order if r % 2 == 0 else reversed(order):
+                times[name].append(step.run(fn, outs[name]))
+    gb = step.kv_bytes() / 1e9
+    print(f"{args.layers} layers x {args.batch} decodes x {args.context} tokens, blocks of "
+          f"{args.block_size}, {args.layout}: {gb * 1e3:.0f} MB of K/V per step")
+    print("| kernel | ms/step (median) | K/V GB/s |\n|---|---:|---:|")
+    for name, ts in times.items():
+        med = statistics.median(ts)
+        print(f"| {name} | {med * 1e3:.2f} | {gb / med:.1f} |")
+    base, new = outs.values()
+    print(f"max |difference| of the outputs: {(base.float() - new.float()).abs().max().item():.3g}")
+
+
+if __name__ == "__main__":
+    main()
