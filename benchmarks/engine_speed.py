@@ -30,10 +30,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from chunkserve.engine.llm_engine import LLMEngine
 from chunkserve.model.factory import LoadedModel, load_model, resolve_dtype
+from chunkserve.model.linear import DenseWeight
 from chunkserve.sampling_params import SamplingParams
 from host import cpu_model
 
@@ -75,8 +75,9 @@ class Roofline:
 
 @torch.inference_mode()
 def measure_gemm(loaded: LoadedModel, dtype: torch.dtype, repeats: int) -> dict[str, float]:
-    """GFLOP/s of the GEMMs a 2048-token prefill runs (F.linear on the model's own weight
-    layout), the brief's torch.matmul form of the MLP shape, and a large square matmul."""
+    """GFLOP/s of the GEMMs a 2048-token prefill runs (the model's own GEMM: `DenseWeight`, on
+    the CPU a weight pre-packed for oneDNN), the brief's torch.matmul form of the MLP shape,
+    and a large square matmul."""
     layer = loaded.model.layers[0]
     T = 2048
     hidden = loaded.config.hidden_size
@@ -104,7 +105,7 @@ def measure_gemm(loaded: LoadedModel, dtype: torch.dtype, repeats: int) -> dict[
     for label, (a, b, is_linear) in cases.items():
         n = b.shape[0] if is_linear else b.shape[1]
         flops = 2 * a.shape[0] * a.shape[1] * n
-        fn = (lambda a=a, b=b: F.linear(a, b)) if is_linear else (lambda a=a, b=b: a @ b)
+        fn = (lambda a=a, g=DenseWeight(b): g(a)) if is_linear else (lambda a=a, b=b: a @ b)
         out[label] = flops / median_time(fn, max(repeats, 5), warmup=2) / GB
     return out
 
