@@ -66,12 +66,18 @@ class TorchPagedAttention:
             seqs.append(SeqSpan(q_start, q_len, ctx, runs, mask))
         return TorchMetadata(batch.slot_mapping, seqs)
 
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, meta: TorchMetadata) -> None:
+        """The step's new K/V rows into their slots of the paged cache."""
+        num_blocks, block_size, kvh, d = k_cache.shape
+        k_cache.view(num_blocks * block_size, kvh, d).index_copy_(0, meta.slot_mapping, k)
+        v_cache.view(num_blocks * block_size, kvh, d).index_copy_(0, meta.slot_mapping, v)
+
     def forward(self, q, k, v, k_cache, v_cache, meta):  # type: ignore[no-untyped-def]
+        self.write_kv(k, v, k_cache, v_cache, meta)
         num_blocks, block_size, kvh, d = k_cache.shape
         flat_k = k_cache.view(num_blocks * block_size, kvh, d)
         flat_v = v_cache.view(num_blocks * block_size, kvh, d)
-        flat_k.index_copy_(0, meta.slot_mapping, k)
-        flat_v.index_copy_(0, meta.slot_mapping, v)
 
         out = torch.empty(q.shape[0], self.num_heads * d, dtype=q.dtype, device=q.device)
         kernels = sdpa_kernel(_CUDA_SDPA) if q.is_cuda else contextlib.nullcontext()

@@ -1,6 +1,7 @@
-"""Builds and loads the CPU attention kernel (`cpu_kernels/paged_decode.c`) with the C compiler.
+"""Builds and loads the CPU kernels (`cpu_kernels/*.c`: paged decode attention, a layer's small
+ops) with the C compiler, as one shared library.
 
-The kernel is compiled once per source, compiler and CPU (`-march=native`) into a cache folder
+The library is compiled once per source, compiler and CPU (`-march=native`) into a cache folder
 (`$CHUNKSERVE_CACHE_DIR`, default `~/.cache/chunkserve`) and loaded with ctypes. It links
 against `libgomp.so.1`; PyTorch is imported first and has loaded its own copy under that
 soname, so the kernel's OpenMP loop runs on PyTorch's thread pool (see the C file's header).
@@ -19,7 +20,6 @@ from functools import cache
 import torch  # noqa: F401  (first: its libgomp.so.1 is the one the kernel must bind to)
 
 SOURCE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_kernels")
-SOURCE = os.path.join(SOURCE_DIR, "paged_decode.c")  # includes the other files of its folder
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
@@ -59,15 +59,19 @@ def _cpu_id() -> str:
         return platform.processor()
 
 
+def _sources() -> list[str]:
+    return sorted(os.path.join(SOURCE_DIR, n) for n in os.listdir(SOURCE_DIR) if n.endswith(".c"))
+
+
 def _build(cc: str) -> str:
     source = b""
-    for name in sorted(os.listdir(SOURCE_DIR)):  # the .c file and the headers it includes
+    for name in sorted(os.listdir(SOURCE_DIR)):  # the .c files and the headers they include
         with open(os.path.join(SOURCE_DIR, name), "rb") as f:
             source += name.encode() + f.read()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256(source + " ".join(CFLAGS).encode() + version.encode()
                          + _cpu_id().encode()).hexdigest()[:16]
-    path = os.path.join(cache_dir(), f"paged_decode-{key}.so")
+    path = os.path.join(cache_dir(), f"cpu_kernels-{key}.so")
     if os.path.isfile(path):
         return path
     try:
@@ -80,11 +84,11 @@ def _build(cc: str) -> str:
                                "set CHUNKSERVE_CACHE_DIR, or use --attention-backend torch.") from e
     os.close(fd)
     try:
-        done = subprocess.run([cc, *CFLAGS, SOURCE, "-o", tmp, "-lm"], capture_output=True,
+        done = subprocess.run([cc, *CFLAGS, *_sources(), "-o", tmp, "-lm"], capture_output=True,
                               text=True)
         if done.returncode != 0:
-            raise KernelBuildError(f"compiling {SOURCE} with {cc} failed:\n{done.stderr.strip()}"
-                                   "\nUse --attention-backend torch.")
+            raise KernelBuildError(f"compiling {SOURCE_DIR} with {cc} failed:\n"
+                                   f"{done.stderr.strip()}\nUse --attention-backend torch.")
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
@@ -93,10 +97,14 @@ def _build(cc: str) -> str:
 
 
 @cache
+def library() -> ctypes.CDLL:
+    """The kernels' library, compiled first if this machine has no build of it yet."""
+    return ctypes.CDLL(_build(_compiler()))
+
+
 def load() -> ctypes._CFuncPtr:  # type: ignore[name-defined]
-    """The kernel's entry point, compiled first if this machine has no build of it yet."""
-    lib = ctypes.CDLL(_build(_compiler()))
-    fn = lib.paged_decode_attention
+    """The paged decode attention entry point."""
+    fn = library().paged_decode_attention
     fn.argtypes = ARGTYPES
     fn.restype = ctypes.c_int
     return fn

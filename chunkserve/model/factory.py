@@ -7,6 +7,7 @@ from functools import lru_cache
 import torch
 
 from chunkserve.model.attention_select import make_attention_backend
+from chunkserve.model.layer_ops import make_layer_ops
 from chunkserve.model.llama import LlamaModel
 from chunkserve.model.llama_config import LlamaConfig
 from chunkserve.model.loader import load_source
@@ -108,6 +109,6 @@ def load_model(
     attention = make_attention_backend(attention_backend, config, dev)
     model = LlamaModel(
         config, weights, torch_dtype, max_positions=max_model_len, attention=attention,
-        device=dev, quantization=quant,
+        device=dev, quantization=quant, ops=make_layer_ops(dev),
     )
     return LoadedModel(path, config, model, tokenizer, max_model_len)

@@ -12,7 +12,8 @@ import torch
 
 from chunkserve.model.attention import AttentionBackend
 from chunkserve.model.attention_torch import TorchPagedAttention
-from chunkserve.model.layers import RotaryEmbedding, apply_rotary, rms_norm, silu_and_mul
+from chunkserve.model.layer_ops import LayerOps, TorchLayerOps
+from chunkserve.model.layers import RotaryEmbedding
 from chunkserve.model.linear import Linear, make_linear
 from chunkserve.model.llama_config import LlamaConfig
 
@@ -43,8 +44,6 @@ class LlamaLayer:
         self.o = linear("self_attn.o_proj.weight")
         self.gate_up = linear("mlp.gate_proj.weight", "mlp.up_proj.weight")
         self.down = linear("mlp.down_proj.weight")
-        self.q_size = cfg.num_attention_heads * cfg.head_dim  # type: ignore[operator]
-        self.kv_size = cfg.num_key_value_heads * cfg.head_dim  # type: ignore[operator]
 
 
 class LlamaModel:
@@ -57,10 +56,12 @@ class LlamaModel:
         attention: AttentionBackend | None = None,
         device: torch.device | str = "cpu",
         quantization: str | None = None,
+        ops: LayerOps | None = None,
     ) -> None:
         """Consumes `weights`: each tensor is removed from the dict as the model takes it.
         With `quantization="int8"` every linear layer and the LM head are int8 (linear.py);
-        `dtype` is then the activations' dtype and that of the dense copy prefill rows use."""
+        `dtype` is then the activations' dtype and that of the dense copy prefill rows use.
+        `ops`: norms, RoPE and SiLU (layer_ops.py; default PyTorch's)."""
         self.cfg = cfg
         self.device = torch.device(device)
         self.dtype = dtype  # of the linear layers' weights and inputs
@@ -93,6 +94,7 @@ class LlamaModel:
             self.device,
         )
         self.attn = attention or TorchPagedAttention(self.num_heads, self.num_kv_heads, self.head_dim)
+        self.ops = ops or TorchLayerOps()
 
     @torch.inference_mode()
     def forward(
@@ -103,25 +105,20 @@ class LlamaModel:
         meta: Any,  # from self.attn.build_metadata
     ) -> torch.Tensor:
         """Returns the final-norm hidden states, [T, hidden]."""
-        eps = self.cfg.rms_norm_eps
+        eps, ops = self.cfg.rms_norm_eps, self.ops
         cos, sin = self.rope.cos_sin(positions)
         # The residual stream stays in float32; only the GEMM inputs use the compute dtype.
+        # Each residual add is done by the norm that follows it (one pass instead of two).
         h = self.embed[input_ids].float()
-        T = h.shape[0]
+        mlp_out = None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            x = rms_norm(h, layer.input_norm, eps, self.dtype)
-            qkv = layer.qkv(x)
-            qk_size = layer.q_size + layer.kv_size
-            # Q and K heads rotated in one pass (RoPE is per head): half the small ops.
-            qk = apply_rotary(qkv[:, :qk_size].view(T, -1, self.head_dim), cos, sin)
-            q, k = qk.to(self.kv_dtype).split([self.num_heads, self.num_kv_heads], dim=1)
-            v = qkv[:, qk_size:].view(T, self.num_kv_heads, self.head_dim).to(self.kv_dtype)
+            x = ops.add_rms_norm(h, mlp_out, layer.input_norm, eps, self.dtype)
+            q, k, v = ops.rope_split_qkv(layer.qkv(x), cos, sin, self.num_heads,
+                                         self.num_kv_heads, self.head_dim)
             attn = self.attn.forward(q, k, v, k_cache, v_cache, meta)
-            # In place, widening to float32 in the add: no temporary for the residual.
-            h += layer.o(attn)
-            x = rms_norm(h, layer.post_norm, eps, self.dtype)
-            h += layer.down(silu_and_mul(layer.gate_up(x)))
-        return rms_norm(h, self.norm, eps, self.dtype)
+            x = ops.add_rms_norm(h, layer.o(attn), layer.post_norm, eps, self.dtype)
+            mlp_out = layer.down(ops.silu_and_mul(layer.gate_up(x)))
+        return ops.add_rms_norm(h, mlp_out, self.norm, eps, self.dtype)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,128 @@
+"""A decoder layer's small ops (RMSNorm with the residual add, RoPE, SiLU-and-mul) behind one
+interface: PyTorch ops (any device; the reference), or one C call each on the CPU
+(`cpu_kernels/layer_ops.c`), which at a few tokens a step is mostly PyTorch's fixed cost per
+op saved (docs/performance.md).
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+from typing import Protocol
+
+import torch
+
+from chunkserve.model import cpu_kernel
+from chunkserve.model.layers import apply_rotary, rms_norm, silu_and_mul
+
+logger = logging.getLogger(__name__)
+
+
+class LayerOps(Protocol):
+    name: str
+
+    def add_rms_norm(self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                     eps: float, dtype: torch.dtype) -> torch.Tensor:
+        """h += delta (in place; h is the float32 residual stream), then RMSNorm(h) * weight
+        computed in float32 and returned in `dtype`."""
+        ...
+
+    def rope_split_qkv(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       heads: int, kv_heads: int,
+                       head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, heads, D], k and v [T, kv_heads, D] in qkv's dtype from a fused projection,
+        q and k rotated (cos/sin: [T, 1, D / 2] float32)."""
+        ...
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        ...
+
+
+class TorchLayerOps:
+    name = "torch"
+
+    def add_rms_norm(self, h, delta, weight, eps, dtype):  # type: ignore[no-untyped-def]
+        if delta is not None:
+            h += delta  # widening to float32 in the add: no temporary
+        return rms_norm(h, weight, eps, dtype)
+
+    def rope_split_qkv(self, qkv, cos, sin, heads, kv_heads, head_dim):  # type: ignore[no-untyped-def]
+        T, qk_size = qkv.shape[0], (heads + kv_heads) * head_dim
+        # Q and K heads rotated in one pass (RoPE is per head): half the small ops.
+        qk = apply_rotary(qkv[:, :qk_size].view(T, heads + kv_heads, head_dim), cos, sin)
+        q, k = qk.to(qkv.dtype).split([heads, kv_heads], dim=1)
+        return q, k, qkv[:, qk_size:].view(T, kv_heads, head_dim)
+
+    def silu_and_mul(self, gate_up):  # type: ignore[no-untyped-def]
+        return silu_and_mul(gate_up)
+
+
+_i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+_SIGNATURES = {
+    # h, delta, delta_bf16, weight, out, out_bf16, T, H, eps, num_threads
+    "add_rms_norm": [_ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _f32, _i64],
+    # gate_up, out, bf16, T, I, num_threads
+    "silu_and_mul": [_ptr, _ptr, _i64, _i64, _i64, _i64],
+    # qkv, cos, sin, q, k, v, bf16, T, heads, kv_heads, D, num_threads
+    "rope_split_qkv": [_ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64],
+}
+_DTYPES = (torch.float32, torch.bfloat16)
+
+
+class CpuLayerOps:
+    """The C kernels. Every tensor is contiguous, float32 or bfloat16, on the CPU."""
+
+    name = "cpu"
+
+    def __init__(self) -> None:
+        lib = cpu_kernel.library()
+        self._fn = {}
+        for name, argtypes in _SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, None
+            self._fn[name] = fn
+
+    def add_rms_norm(self, h, delta, weight, eps, dtype):  # type: ignore[no-untyped-def]
+        assert h.dtype == torch.float32 and h.is_contiguous() and dtype in _DTYPES
+        out = torch.empty(h.shape, dtype=dtype)
+        if delta is not None:
+            delta = delta.contiguous()
+            assert delta.dtype in _DTYPES and delta.shape == h.shape
+        self._fn["add_rms_norm"](
+            h.data_ptr(), None if delta is None else delta.data_ptr(),
+            delta is not None and delta.dtype == torch.bfloat16, weight.data_ptr(),
+            out.data_ptr(), dtype == torch.bfloat16, h.shape[0], h.shape[1], eps,
+            torch.get_num_threads())
+        return out
+
+    def rope_split_qkv(self, qkv, cos, sin, heads, kv_heads, head_dim):  # type: ignore[no-untyped-def]
+        assert qkv.dtype in _DTYPES and qkv.is_contiguous()
+        assert cos.dtype == sin.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous()
+        T = qkv.shape[0]
+        q = torch.empty(T, heads, head_dim, dtype=qkv.dtype)
+        k = torch.empty(T, kv_heads, head_dim, dtype=qkv.dtype)
+        v = torch.empty(T, kv_heads, head_dim, dtype=qkv.dtype)
+        self._fn["rope_split_qkv"](
+            qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), q.data_ptr(), k.data_ptr(),
+            v.data_ptr(), qkv.dtype == torch.bfloat16, T, heads, kv_heads, head_dim,
+            torch.get_num_threads())
+        return q, k, v
+
+    def silu_and_mul(self, gate_up):  # type: ignore[no-untyped-def]
+        assert gate_up.dtype in _DTYPES and gate_up.is_contiguous()
+        T, inter = gate_up.shape[0], gate_up.shape[1] // 2
+        out = torch.empty(T, inter, dtype=gate_up.dtype)
+        self._fn["silu_and_mul"](gate_up.data_ptr(), out.data_ptr(),
+                                 gate_up.dtype == torch.bfloat16, T, inter,
+                                 torch.get_num_threads())
+        return out
+
+
+def make_layer_ops(device: torch.device) -> LayerOps:
+    """The C kernels on the CPU when they build here, else PyTorch's ops."""
+    if device.type != "cpu":
+        return TorchLayerOps()
+    try:
+        return CpuLayerOps()
+    except cpu_kernel.KernelBuildError as e:
+        logger.warning("%s Falling back to PyTorch's ops for norms, RoPE and SiLU.", e)
+        return TorchLayerOps()
