@@ -22,12 +22,13 @@ from chunkserve.model.batch import BatchTensors
 
 @dataclass
 class CpuMetadata(TorchMetadata):
-    slots: np.ndarray | None = None  # [T] int64: slot_mapping for the row copies
+    # Built once per step for the C calls of every layer: the numpy arrays they read in place
+    # (int64, contiguous; kept here so they live as long as the step) and their addresses.
+    slots: np.ndarray | None = None  # [T] slot_mapping
+    slots_ptr: int = 0
     max_slot: int = -1  # checked against the cache's rows: the copies are not bounds-checked
-    # The decodes of the step, for the kernel (numpy, int64, contiguous: it reads them in place).
-    decode_rows: np.ndarray | None = None  # [S_d] flat token index
-    decode_seq_lens: np.ndarray | None = None  # [S_d]
-    decode_block_table: np.ndarray | None = None  # [S_d, W]
+    decode_arrays: tuple[np.ndarray, ...] = ()  # block table [S_d, W], seq_lens, flat rows
+    decode_args: tuple[int, ...] = ()  # table address, W, seq_lens and rows addresses, S_d
 
 
 class CpuPagedAttention(TorchPagedAttention):
@@ -37,10 +38,10 @@ class CpuPagedAttention(TorchPagedAttention):
         super().__init__(num_heads, num_kv_heads, head_dim)
         # Built (or found in the cache) at model load, not in the first step a user waits for.
         self._kernel = cpu_kernel.load()
-        self._write_rows = cpu_kernel.library().write_rows
-        self._write_rows.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                                     ctypes.c_int64, ctypes.c_int64]
-        self._write_rows.restype = None
+        self._write_kv = cpu_kernel.library().write_kv
+        ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+        self._write_kv.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64]
+        self._write_kv.restype = None
 
     def build_metadata(self, batch: BatchTensors) -> CpuMetadata:
         layout = batch.layout
@@ -49,50 +50,48 @@ class CpuPagedAttention(TorchPagedAttention):
         # The SDPA loop keeps only the chunks; the kernel takes the decodes.
         chunks = [seq for seq, d in zip(base.seqs, decode) if not d]
         slots = np.ascontiguousarray(layout.slot_mapping, dtype=np.int64)
-        meta = CpuMetadata(base.slot_mapping, chunks, slots=slots,
+        meta = CpuMetadata(base.slot_mapping, chunks, slots=slots, slots_ptr=slots.ctypes.data,
                            max_slot=int(slots.max()) if slots.size else -1)
         if decode.any():
-            meta.decode_rows = np.ascontiguousarray(layout.query_start_loc[:-1][decode],
-                                                    dtype=np.int64)
-            meta.decode_seq_lens = np.ascontiguousarray(layout.seq_lens[decode], dtype=np.int64)
-            meta.decode_block_table = np.ascontiguousarray(layout.block_table[decode],
-                                                           dtype=np.int64)
+            table, seq_lens, rows = (np.ascontiguousarray(a, dtype=np.int64) for a in (
+                layout.block_table[decode], layout.seq_lens[decode],
+                layout.query_start_loc[:-1][decode]))
+            meta.decode_arrays = (table, seq_lens, rows)
+            meta.decode_args = (table.ctypes.data, table.shape[1], seq_lens.ctypes.data,
+                                rows.ctypes.data, len(seq_lens))
         return meta
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, meta: CpuMetadata) -> None:  # type: ignore[override]
         # One memcpy per row: index_copy_ cost ~50 us per call at 64 rows (2 per layer).
-        assert meta.slots is not None and k_cache.is_contiguous() and v_cache.is_contiguous()
+        assert meta.slots is not None and k.shape[1:] == k_cache.shape[2:] == v.shape[1:]
         if meta.max_slot >= k_cache.shape[0] * k_cache.shape[1]:
             raise IndexError(f"slot {meta.max_slot} is outside the KV cache "
                              f"({k_cache.shape[0]} blocks of {k_cache.shape[1]})")
-        for rows, cache in ((k, k_cache), (v, v_cache)):
-            assert rows.dtype == cache.dtype and rows.shape[1:] == cache.shape[2:]
-            rows = rows.contiguous()
-            self._write_rows(cache.data_ptr(), rows.data_ptr(), meta.slots.ctypes.data,
-                             len(meta.slots), rows.shape[1] * rows.shape[2] * rows.element_size())
+        self._check_dtypes(k, v, k_cache, v_cache)
+        k, v = k.contiguous(), v.contiguous()
+        self._write_kv(k_cache.data_ptr(), v_cache.data_ptr(), k.data_ptr(), v.data_ptr(),
+                       meta.slots_ptr, len(meta.slots), k[0:1].nbytes)
 
     def forward(self, q, k, v, k_cache, v_cache, meta: CpuMetadata):  # type: ignore[no-untyped-def,override]
         out = super().forward(q, k, v, k_cache, v_cache, meta)  # writes K/V, attends the chunks
-        if meta.decode_rows is not None:
-            self._decode_all(out, q.contiguous(), k_cache, v_cache, meta)
+        if meta.decode_args:
+            q = q.contiguous()
+            self._check_dtypes(q, out, k_cache, v_cache)
+            failed = self._kernel(
+                out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                int(q.dtype == torch.bfloat16), *meta.decode_args, self.num_heads,
+                self.num_kv_heads, self.head_dim, k_cache.shape[1], self.scale,
+                torch.get_num_threads())
+            if failed:
+                raise MemoryError("the CPU decode kernel could not allocate its score buffers")
         return out
 
-    def _decode_all(self, out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, meta: CpuMetadata) -> None:
-        dtypes = {q.dtype, out.dtype, k_cache.dtype, v_cache.dtype}
-        if dtypes not in ({torch.float32}, {torch.bfloat16}):
-            raise TypeError(f"the CPU decode kernel takes q, output and KV cache all float32 or "
-                            f"all bfloat16, got {sorted(map(str, dtypes))}")
-        assert out.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()
-        table = meta.decode_block_table
-        assert table is not None and meta.decode_seq_lens is not None
-        failed = self._kernel(
-            out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-            int(q.dtype == torch.bfloat16), table.ctypes.data, table.shape[1],
-            meta.decode_seq_lens.ctypes.data,
-            meta.decode_rows.ctypes.data, len(meta.decode_seq_lens), self.num_heads,
-            self.num_kv_heads, self.head_dim, k_cache.shape[1], self.scale,
-            torch.get_num_threads())
-        if failed:
-            raise MemoryError("the CPU decode kernel could not allocate its score buffers")
+    @staticmethod
+    def _check_dtypes(*tensors: torch.Tensor) -> None:
+        """The C calls take all float32 or all bfloat16, contiguous (the caches always are)."""
+        dtype = tensors[0].dtype
+        if dtype not in (torch.float32, torch.bfloat16) or any(t.dtype != dtype for t in tensors):
+            raise TypeError(f"the CPU attention kernels take q, K/V, output and KV cache all "
+                            f"float32 or all bfloat16, got {[str(t.dtype) for t in tensors]}")
+        assert all(t.is_contiguous() for t in tensors[2:])

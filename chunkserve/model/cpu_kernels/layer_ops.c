@@ -103,13 +103,16 @@ void rope_split_qkv(const void *qkv, const float *cos, const float *sin, void *q
     }
 }
 
-/* cache[slots[t]] = rows[t] for T rows of `row_bytes` (the new tokens' K or V into the paged
- * cache, viewed as [num_blocks * block_size] rows); slot -1 is a padding token's: skipped. */
-void write_rows(void *cache, const void *rows, const int64_t *slots, int64_t T,
-                int64_t row_bytes)
+/* k_cache[slots[t]] = k[t] and v_cache[slots[t]] = v[t] for T rows of `row_bytes`: the new
+ * tokens' K/V into the paged caches, viewed as [num_blocks * block_size] rows. Slot -1 is a
+ * padding token's: skipped. */
+void write_kv(void *k_cache, void *v_cache, const void *k, const void *v, const int64_t *slots,
+              int64_t T, int64_t row_bytes)
 {
-    for (int64_t t = 0; t < T; t++)
-        if (slots[t] >= 0)
-            memcpy((char *)cache + slots[t] * row_bytes, (const char *)rows + t * row_bytes,
-                   row_bytes);
+    for (int64_t t = 0; t < T; t++) {
+        if (slots[t] < 0)
+            continue;
+        memcpy((char *)k_cache + slots[t] * row_bytes, (const char *)k + t * row_bytes, row_bytes);
+        memcpy((char *)v_cache + slots[t] * row_bytes, (const char *)v + t * row_bytes, row_bytes);
+    }
 }
