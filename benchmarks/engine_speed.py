@@ -33,7 +33,7 @@ import torch
 
 from chunkserve.engine.llm_engine import LLMEngine
 from chunkserve.model.factory import LoadedModel, load_model, resolve_dtype
-from chunkserve.model.linear import DenseWeight
+from chunkserve.model.dense_gemm import DenseWeight
 from chunkserve.sampling_params import SamplingParams
 from host import cpu_model
 
@@ -384,7 +384,7 @@ def bench_dtype(name: str, args: argparse.Namespace) -> tuple[str, Roofline, lis
     engine, max_tokens = make_engine(loaded, prefill_sizes, batches, steps)
     cost = ModelCost.of(loaded)
     label = str(loaded.model.dtype).removeprefix("torch.")
-    label = f"int8/{label}" if loaded.model.quantization else label
+    label = f"{loaded.model.quantization}/{label}" if loaded.model.quantization else label
 
     print(f"\n== {label} ({engine.num_kv_blocks} KV blocks, weights "
           f"{cost.weight_bytes / 1e6:.0f} MB) ==", flush=True)

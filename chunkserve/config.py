@@ -23,9 +23,9 @@ DEVICES = ("auto", "cpu", "cuda")
 LOAD_FORMATS = ("auto", "dummy")  # dummy: random weights from the model's config (vLLM's name)
 # auto: triton on CUDA, cpu on the CPU (torch: the per-request SDPA reference, any device)
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
-# auto: int8 on CPUs without native bf16 dot products when the dtype is auto too (the fastest
-# format there); none: the dtype's dense weights.
-QUANTIZATIONS = ("auto", "int8", "none")
+# auto (with --dtype auto, on the CPU): int4 for weights that already are 4-bit (a Q4 GGUF) on
+# CPUs with AVX512_BF16, else int8; none: the dtype's dense weights.
+QUANTIZATIONS = ("auto", "int4", "int8", "none")
 
 # vLLM's server default budget; also the article's "balanced" setting.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048

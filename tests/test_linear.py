@@ -5,8 +5,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from chunkserve.model import linear
-from chunkserve.model.linear import DenseLinear, DenseWeight
+from chunkserve.model import dense_gemm
+from chunkserve.model.dense_gemm import DenseWeight
+from chunkserve.model.linear import DenseLinear
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -15,7 +16,7 @@ def test_packed_weight_matches_f_linear(dtype, rows):
     w = torch.randn(96, 80).to(dtype)
     gemm = DenseWeight(w)
     # Packed wherever PyTorch's oneDNN takes the dtype (bf16: not on every CPU).
-    assert (gemm.packed is not None) == linear._can_pack(w) != (gemm.weight is not None)
+    assert (gemm.packed is not None) == dense_gemm._can_pack(w) != (gemm.weight is not None)
     if dtype == torch.float32:
         assert gemm.packed is not None  # the CPU wheel has oneDNN
     x = torch.randn(rows, 80)  # float32 in: cast to the weight's dtype, as the model does
@@ -33,7 +34,7 @@ def test_strided_input_is_accepted():
 
 
 def test_without_onednn_the_plain_weight_is_used(monkeypatch):
-    monkeypatch.setattr(linear, "_can_pack", lambda weight: False)
+    monkeypatch.setattr(dense_gemm, "_can_pack", lambda weight: False)
     w = torch.randn(32, 16)
     gemm = DenseWeight(w)
     assert gemm.packed is None and gemm.weight is not None

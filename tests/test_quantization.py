@@ -94,8 +94,11 @@ def test_quantization_choice(monkeypatch):
     monkeypatch.setattr(factory, "cpu_has_avx512_bf16", lambda: False)
     assert resolve_quantization("auto", "auto", CPU) == "int8"  # the fastest format on AVX2
     monkeypatch.setattr(factory, "cpu_has_avx512_bf16", lambda: True)
-    assert resolve_quantization("auto", "auto", CPU) == "int8"  # with bfloat16 activations
+    # bfloat16 activations; int4 for weights already 4-bit, per linear (make_linear)
+    assert resolve_quantization("auto", "auto", CPU) == "auto"
     assert resolve_quantization("auto", "auto", torch.device("cuda")) is None
     assert resolve_quantization("int8", "bfloat16", CPU) == "int8"
-    with pytest.raises(ValueError, match="CPU only"):
-        resolve_quantization("int8", "auto", torch.device("cuda"))
+    assert resolve_quantization("int4", "float32", CPU) == "int4"
+    for name in ("int8", "int4"):
+        with pytest.raises(ValueError, match="CPU only"):
+            resolve_quantization(name, "auto", torch.device("cuda"))

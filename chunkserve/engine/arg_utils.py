@@ -35,8 +35,10 @@ def add_engine_args(p: argparse.ArgumentParser, model_flag: bool = True) -> None
     p.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
                    help="auto: triton on CUDA, torch on the CPU")
     p.add_argument("--quantization", "-q", choices=QUANTIZATIONS, default="auto",
-                   help="int8: int8 weights and activations on the CPU (FBGEMM); auto: int8 on "
-                        "CPUs without AVX512_BF16 when --dtype is auto")
+                   help="CPU weight-only formats. int8: one scale per output channel; int4: "
+                        "groups of 32 with scale and minimum (GGUF's Q4_1 block); auto (with "
+                        "--dtype auto): int4 for weights that already are 4-bit, on CPUs with "
+                        "AVX512_BF16, else int8")
     p.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs for decode steps (nothing to do on a CPU)")
     g = p.add_argument_group("scheduling")

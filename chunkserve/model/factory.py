@@ -64,19 +64,21 @@ def resolve_dtype(name: str, device: torch.device | None = None) -> torch.dtype:
 
 
 def resolve_quantization(name: str, dtype: str, device: torch.device) -> str | None:
-    """None (dense weights) or "int8". `auto` picks int8 where it is the fastest format: the
-    CPU, when the dtype is left to auto as well (an explicit dtype means the caller wants that
-    precision)."""
+    """None (dense weights), "int8", "int4" or "auto" (per linear: int4 where the weights are
+    already 4-bit, else int8; see make_linear). `auto` quantizes on the CPU when the dtype is
+    left to auto as well (an explicit dtype means the caller wants that precision); int4 only
+    where it was measured faster, CPUs with AVX512_BF16 (its kernel takes bf16 activations)."""
     if name == "none":
         return None
-    if name == "int8":
+    if name in ("int8", "int4"):
         if device.type != "cpu":
-            raise ValueError("quantization 'int8' runs on the CPU only; use --device cpu")
-        return "int8"
+            raise ValueError(f"quantization {name!r} runs on the CPU only; use --device cpu")
+        return name
     if name == "auto":
-        wants = device.type == "cpu" and dtype == "auto"
-        return "int8" if wants and INT8_BY_DEFAULT else None
-    raise ValueError(f"quantization must be auto, int8 or none, got {name!r}")
+        if not (device.type == "cpu" and dtype == "auto" and INT8_BY_DEFAULT):
+            return None
+        return "auto" if cpu_has_avx512_bf16() else "int8"
+    raise ValueError(f"quantization must be auto, int4, int8 or none, got {name!r}")
 
 
 def load_model(

@@ -1,6 +1,7 @@
-"""Linear layers in the format the hardware is fastest with: dense, or int8 weights on the CPU.
+"""Linear layers in the format the hardware is fastest with: dense, or int8 / int4 weights on the
+CPU (int4: linear_int4.py).
 
-`DenseLinear` is `F.linear` in the model's compute dtype (float32, or bfloat16 where the CPU
+`DenseLinear` is a dense GEMM in the model's compute dtype (float32, or bfloat16 where the CPU
 has native bf16 dot products, and on CUDA). `Int8Linear` is `--quantization int8`: weight-only
 int8 with one scale per output channel, quantized once at load. A decode step is bound by
 streaming the weights from memory, and int8 weights are a quarter of float32's bytes and half
@@ -13,23 +14,21 @@ every call costs more than the GEMM itself (measured: 2.5 ms vs 1.6 ms for 64 ro
 rows: 1.25x float32's memory (1.5x bfloat16's), bought for decode steps that stream a quarter
 (a half) of the bytes. The activations' precision is bfloat16's for decodes.
 
-Dense weights on the CPU are kept in oneDNN's own blocked layout (`DenseWeight`): `F.linear` on
-a plain weight goes through a per-call path that cost 1.2-1.6x more in bfloat16 at 1-64 rows
-and, in float32 on an AMD CPU (MKL's sgemm), 2.3x more at every size (docs/performance.md).
+Dense weights go through `DenseWeight` (dense_gemm.py: on the CPU, pre-packed for oneDNN).
 """
 from __future__ import annotations
 
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
+
+from chunkserve.model.dense_gemm import DenseWeight
+from chunkserve.model.linear_int4 import Int4Linear, is_exact_int4
 
 # Rows (tokens) up to which the int8 kernel beats a GEMM on the dequantized (packed) weight:
 # measured over 30 layers of SmolLM2's shapes from DRAM, int8 9.8 ms vs bf16 10.6 at 8 rows,
 # 18.1 vs 12.8 at 16.
 INT8_KERNEL_MAX_ROWS = 8
-# Rows oneDNN is told to expect when it packs a weight (its layout; any row count works).
-PACK_ROWS_HINT = 64
 
 
 class Linear(Protocol):
@@ -38,33 +37,6 @@ class Linear(Protocol):
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         ...
-
-
-def _can_pack(weight: torch.Tensor) -> bool:
-    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
-        return False
-    if weight.dtype == torch.bfloat16:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    return weight.dtype == torch.float32
-
-
-class DenseWeight:
-    """`x @ weight.T` in the weight's dtype; on the CPU through a weight pre-packed for oneDNN
-    (what PyTorch's own compiler does for frozen CPU linears), elsewhere plain `F.linear`."""
-
-    def __init__(self, weight: torch.Tensor) -> None:
-        self.dtype = weight.dtype
-        self.packed: torch.Tensor | None = None
-        self.weight: torch.Tensor | None = weight.contiguous()
-        if _can_pack(weight):
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, PACK_ROWS_HINT)
-            self.weight = None  # the packed copy replaces it
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.to(self.dtype)
-        if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
-        return F.linear(x, self.weight)  # type: ignore[arg-type]
 
 
 class DenseLinear:
@@ -104,12 +76,17 @@ class Int8Linear:
 
 def make_linear(weight: torch.Tensor, quantization: str | None,
                 dtype: torch.dtype | None = None) -> Linear:
-    """`dtype`: the compute dtype (default: the weight's)."""
+    """`dtype`: the compute dtype (default: the weight's). `quantization`: None (dense), "int8",
+    "int4" (linear_int4.py), or "auto": int4 where the weight already is 4-bit in GGUF's
+    blocks (exact), else int8."""
     dtype = dtype or weight.dtype
     if quantization is None:
         return DenseLinear(weight.to(dtype))
-    if quantization == "int8":
-        if weight.device.type != "cpu":
-            raise ValueError("quantization 'int8' runs on the CPU only")
-        return Int8Linear(weight, dtype)
-    raise ValueError(f"quantization must be 'int8' or None, got {quantization!r}")
+    if quantization not in ("int8", "int4", "auto"):
+        raise ValueError(f"quantization must be 'int8', 'int4', 'auto' or None, "
+                         f"got {quantization!r}")
+    if weight.device.type != "cpu":
+        raise ValueError(f"quantization {quantization!r} runs on the CPU only")
+    if quantization == "int4" or (quantization == "auto" and is_exact_int4(weight.float())):
+        return Int4Linear(weight, dtype)
+    return Int8Linear(weight, dtype)

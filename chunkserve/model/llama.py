@@ -15,6 +15,7 @@ from chunkserve.model.attention_torch import TorchPagedAttention
 from chunkserve.model.layer_ops import LayerOps, TorchLayerOps
 from chunkserve.model.layers import RotaryEmbedding
 from chunkserve.model.linear import Linear, make_linear
+from chunkserve.model.linear_int4 import Int4Linear
 from chunkserve.model.llama_config import LlamaConfig
 
 
@@ -59,8 +60,10 @@ class LlamaModel:
         ops: LayerOps | None = None,
     ) -> None:
         """Consumes `weights`: each tensor is removed from the dict as the model takes it.
-        With `quantization="int8"` every linear layer and the LM head are int8 (linear.py);
-        `dtype` is then the activations' dtype and that of the dense copy prefill rows use.
+        With `quantization="int8"` every linear layer and the LM head are int8 (linear.py),
+        with "int4" the layers are int4 (linear_int4.py), with "auto" each linear is int4 where
+        its weights already are 4-bit (a Q4 GGUF), else int8; `dtype` is then the activations'
+        dtype and that of the dense copy prefill rows use.
         `ops`: norms, RoPE and SiLU (layer_ops.py; default PyTorch's)."""
         self.cfg = cfg
         self.device = torch.device(device)
@@ -77,12 +80,17 @@ class LlamaModel:
         head = weights.pop("lm_head.weight", None)
         tied = head is None or cfg.tie_word_embeddings
         head = self.embed if tied else head.to(device=dev, dtype=dtype)  # type: ignore[union-attr]
-        self.lm_head = make_linear(head, quantization, dtype)
+        # The head (often the embedding, kept at 8 bits by GGUF files) is int4 only where it
+        # already is 4-bit: logits are where a coarser weight shows most.
+        head_quant = "auto" if quantization == "int4" else quantization
+        self.lm_head = make_linear(head, head_quant, dtype)
         self.norm = _take(weights, "model.norm.weight", torch.float32, dev)
         self.layers = [
             LlamaLayer(cfg, weights, i, dtype, dev, quantization)
             for i in range(cfg.num_hidden_layers)
         ]
+        if quantization == "auto":  # what it became, for whoever records the format
+            self.quantization = "int4" if isinstance(self.layers[0].qkv, Int4Linear) else "int8"
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim: int = cfg.head_dim  # type: ignore[assignment]

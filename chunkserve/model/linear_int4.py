@@ -1,0 +1,75 @@
+"""`--quantization int4`: weight-only int4 linears on the CPU, 32 weights a group.
+
+Each group of 32 consecutive input weights of an output channel is stored as 4-bit levels
+0..15 with its own scale and minimum (w = minimum + level * scale). That is exactly GGUF's
+Q4_1 block (and Q4_0's, whose minimum is -8 scales): the default model's linear weights are
+Q4_1, so for them int4 is not a further approximation, unlike int8's one scale per channel;
+re-quantizing a dequantized Q4_1 tensor gives back its blocks (`is_exact_int4`). Decode rows
+(up to `INT4_KERNEL_MAX_ROWS`) run PyTorch's CPU kernel for this layout
+(`_weight_int4pack_mm_for_cpu`, bfloat16 activations), which streams ~half of int8's bytes;
+prefill rows, compute-bound, multiply a dense copy in the compute dtype, as `Int8Linear` does.
+"""
+from __future__ import annotations
+
+import torch
+
+from chunkserve.model.dense_gemm import DenseWeight
+
+GROUP = 32  # GGUF's Q4_0 / Q4_1 block size
+LEVELS = 15
+# Rows up to which the int4 kernel beats the packed dense GEMM (30 layers of SmolLM2's shapes
+# from DRAM on a Zen 5: int4 8.0 ms vs bf16 10.6 at 8 rows, 14.6 vs 12.8 at 16).
+INT4_KERNEL_MAX_ROWS = 8
+
+
+def quantize_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(levels int32 [N, K], scales [N, K / GROUP], minimums [N, K / GROUP]), float32 w."""
+    n, k = w.shape
+    groups = w.reshape(n, k // GROUP, GROUP)
+    low, high = groups.amin(dim=-1), groups.amax(dim=-1)
+    scale = ((high - low) / LEVELS).clamp_min(1e-12)  # a constant group keeps a tiny scale
+    levels = torch.round((groups - low[..., None]) / scale[..., None]).clamp_(0, LEVELS)
+    return levels.to(torch.int32).reshape(n, k), scale, low
+
+
+def dequantize_int4(levels: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+    n, k = levels.shape
+    groups = levels.reshape(n, k // GROUP, GROUP).float() * scale[..., None] + low[..., None]
+    return groups.reshape(n, k)
+
+
+def is_exact_int4(w: torch.Tensor) -> bool:
+    """Whether w (float32) already is 4-bit in groups of 32, as a Q4_0/Q4_1 GGUF's weights:
+    re-quantized, every weight comes back to within a thousandth of its group's step."""
+    if w.dim() != 2 or w.shape[1] % GROUP:
+        return False
+    levels, scale, low = quantize_int4(w)
+    err = (dequantize_int4(levels, scale, low) - w).abs().reshape(*scale.shape, GROUP)
+    return bool((err <= 1e-3 * scale[..., None] + 1e-7).all())
+
+
+class Int4Linear:
+    def __init__(self, weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> None:
+        """`dtype`: the activations' (the model's compute dtype), and the dense copy's."""
+        n, k = weight.shape
+        if k % GROUP:
+            raise ValueError(f"int4 needs in_features divisible by {GROUP}, got {k}")
+        levels, scale, low = quantize_int4(weight.float())
+        self.dtype = dtype
+        self.packed = torch._convert_weight_to_int4pack_for_cpu(levels, 1)
+        # The kernel's form: w = (level - 8) * scale + zero, [K / GROUP, N, 2] in the
+        # activations' dtype (bfloat16: PyTorch's kernel takes no float32 scales with it).
+        zero = low + 8 * scale
+        self.scales_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(
+            torch.bfloat16)
+        self.dense = DenseWeight(dequantize_int4(levels, scale, low).to(dtype))
+        self.shape = (n, k)
+        # What a decode step reads: 4 bits a weight, two bf16 values a group.
+        self.weight_bytes = n * k // 2 + self.scales_zeros.numel() * 2
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= INT4_KERNEL_MAX_ROWS:
+            return torch._weight_int4pack_mm_for_cpu(
+                x.to(torch.bfloat16).contiguous(), self.packed, GROUP,
+                self.scales_zeros).to(self.dtype)
+        return self.dense(x)

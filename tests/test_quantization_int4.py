@@ -1,0 +1,95 @@
+"""`--quantization int4` (and `auto` on 4-bit weights): groups of 32 with scale and minimum."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_model_parity import full_logits
+
+from chunkserve.model.factory import LoadedModel, cpu_has_avx512_bf16, load_model
+from chunkserve.model.linear import Int8Linear, make_linear
+from chunkserve.model.linear_int4 import (GROUP, INT4_KERNEL_MAX_ROWS, Int4Linear,
+                                          dequantize_int4, is_exact_int4, quantize_int4)
+
+PROMPTS = [
+    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
+]
+
+
+def q4_1_like(n: int, k: int, seed: int = 0) -> torch.Tensor:
+    """A tensor as a Q4_1 GGUF dequantizes to: per block of 32, minimum + level * scale, the
+    levels spanning 0..15 (llama.cpp's quantizer puts the block's min and max at 0 and 15)."""
+    gen = torch.Generator().manual_seed(seed)
+    levels = torch.randint(0, 16, (n, k // GROUP, GROUP), generator=gen)
+    levels[..., 0], levels[..., 1] = 0, 15
+    scale = torch.rand(n, k // GROUP, 1, generator=gen).half().float() * 0.02 + 1e-3
+    low = -torch.rand(n, k // GROUP, 1, generator=gen).half().float() * 0.1
+    return (low + levels * scale).reshape(n, k)
+
+
+def test_q4_1_weights_come_back_exactly():
+    w = q4_1_like(64, 96)
+    levels, scale, low = quantize_int4(w)
+    assert levels.min() >= 0 and levels.max() <= 15
+    torch.testing.assert_close(dequantize_int4(levels, scale, low), w, rtol=0, atol=1e-6)
+    assert is_exact_int4(w)
+    assert not is_exact_int4(torch.randn(64, 96))  # ordinary weights are not 4-bit
+    assert not is_exact_int4(torch.randn(64, 90))  # rows not a whole number of groups
+
+
+def test_any_weight_rounds_to_half_a_step():
+    w = torch.randn(48, 64) * torch.linspace(0.01, 2.0, 48)[:, None]
+    levels, scale, low = quantize_int4(w)
+    err = (dequantize_int4(levels, scale, low) - w).abs().reshape(48, -1, GROUP)
+    assert (err <= scale[..., None] / 2 + 1e-6).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, INT4_KERNEL_MAX_ROWS, INT4_KERNEL_MAX_ROWS + 1, 100])
+def test_int4_kernel_and_dense_paths_agree(rows, dtype):
+    w = q4_1_like(96, 128, seed=rows)
+    lin = Int4Linear(w, dtype)
+    x = torch.randn(rows, 128).to(dtype)
+    ref = F.linear(x.float(), w)
+    out = lin(x)
+    assert out.dtype == dtype and lin.shape == (96, 128)
+    # bf16 activations, outputs and group scales in the kernel: ~2^-8 relative
+    torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+    assert lin.weight_bytes < w.numel()  # under a byte a weight
+
+
+def test_auto_takes_int4_only_where_the_weights_are_4_bit():
+    assert isinstance(make_linear(q4_1_like(32, 64), "auto", torch.bfloat16), Int4Linear)
+    assert isinstance(make_linear(torch.randn(32, 64), "auto", torch.bfloat16), Int8Linear)
+    assert isinstance(make_linear(torch.randn(32, 64), "int4", torch.bfloat16), Int4Linear)
+    with pytest.raises(ValueError, match="divisible by 32"):
+        make_linear(torch.randn(32, 40), "int4")
+
+
+@pytest.fixture(scope="module")
+def fp32(smollm2_path: str) -> LoadedModel:
+    return load_model(smollm2_path, "float32", max_model_len=512, quantization="none")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("chunk", [None, 4])  # one step (dense copy), 4-row steps (kernel)
+def test_smollm2_int4_logits_stay_close_to_float32(fp32, smollm2_path, dtype, chunk):
+    """SmolLM2's linears are Q4_1: int4 holds them exactly (but for bf16 group scales), so the
+    logits move less than with int8 (measured max |d| 0.49-1.02 vs int8's 1.35-2.25)."""
+    int4 = load_model(smollm2_path, dtype, max_model_len=512, quantization="int4")
+    assert isinstance(int4.model.layers[0].qkv, Int4Linear)
+    assert isinstance(int4.model.lm_head, Int8Linear)  # the Q8_0 embedding is not 4-bit
+    for text in PROMPTS:
+        ids = fp32.tokenizer.encode(text)
+        ref = full_logits(fp32.model, ids)
+        out = full_logits(int4.model, ids, chunk=chunk)
+        assert (out - ref).abs().max().item() <= 1.3
+        assert (out.argmax(-1) == ref.argmax(-1)).float().mean().item() >= 0.9
+
+
+@pytest.mark.skipif(not cpu_has_avx512_bf16(), reason="auto picks int4 where AVX512_BF16 is")
+def test_auto_serves_a_q4_gguf_in_int4(smollm2_path):
+    loaded = load_model(smollm2_path, max_model_len=512)
+    assert loaded.model.quantization == "int4"  # what a profile records, to replay the same
+    assert all(isinstance(layer.down, Int4Linear) for layer in loaded.model.layers)
