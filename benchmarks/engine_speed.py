@@ -143,7 +143,7 @@ class ModelCost:
     heads: int
     kv_heads: int
     head_dim: int
-    elem: int  # bytes per element of the linear layers' weights
+    weight_stream_bytes: int  # what a decode step reads of the linears and the head, as stored
     kv_elem: int  # bytes per element of the KV cache (float32 whatever the linears use)
 
     @classmethod
@@ -153,8 +153,11 @@ class ModelCost:
                      for L in m.layers for lin in (L.qkv, L.o, L.gate_up, L.down))
         norms = m.norm.numel() + sum(L.input_norm.numel() + L.post_norm.numel() for L in m.layers)
         head = m.lm_head.shape[0] * m.lm_head.shape[1]
+        # Each linear's own count: int8 and int4 (with their scales) stream fewer bytes.
+        stream = m.lm_head.weight_bytes + sum(
+            lin.weight_bytes for L in m.layers for lin in (L.qkv, L.o, L.gate_up, L.down))
         return cls(linear, head, norms, len(m.layers), m.num_heads,
-                   m.num_kv_heads, m.head_dim, m.lm_head.weight_bytes // head,
+                   m.num_kv_heads, m.head_dim, stream,
                    torch.empty((), dtype=m.kv_dtype).element_size())
 
     def attention_flops(self, context_sum: int) -> int:
@@ -177,9 +180,9 @@ class ModelCost:
 
     @property
     def weight_bytes(self) -> int:
-        # Everything a decode step must stream from memory once: all weights in the compute
-        # dtype, lm_head counted once (the embedding gather of B rows is negligible).
-        return (self.linear_params + self.head_params + self.norm_params) * self.elem
+        # Everything a decode step must stream from memory once: every weight as stored,
+        # lm_head counted once (the embedding gather of B rows is negligible), float32 norms.
+        return self.weight_stream_bytes + self.norm_params * 4
 
     def kv_bytes(self, context_sum: int) -> int:
         # K and V of every layer for every context token read: ctx * L * 2 * kv_heads * d * elem.
