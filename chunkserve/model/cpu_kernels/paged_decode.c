@@ -28,7 +28,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define PART 256 /* tokens per task: 2 tasks per thread at 16 decodes of 512 on 2 cores */
+#define PART 256 /* most tokens a task: 2 tasks per thread at 16 decodes of 512 on 2 cores */
+#define MIN_PART 32 /* fewest: a part's fixed costs (softmax pass, merge) stay small */
+#define MIN_TASKS_PER_THREAD 4
 
 typedef struct {
     const void *k_cache, *v_cache;
@@ -168,13 +170,22 @@ int paged_decode_attention(void *out, const void *q, const void *k_cache, const 
 {
     const Cache c = {k_cache, v_cache, heads, kv_heads, block_size, scale};
     const int64_t row_stride = heads * head_dim;
+    /* Tokens a part: PART, or fewer when there are few decodes, so that every thread gets
+     * MIN_TASKS_PER_THREAD parts (one decode of 554 tokens in 256-token parts is 3 tasks: one
+     * of 2 threads would do two). */
+    int64_t total = 0;
+    for (int64_t s = 0; s < num_seqs; s++)
+        total += seq_lens[s];
+    const int64_t want = MIN_TASKS_PER_THREAD * num_threads;
+    int64_t part = (total + want - 1) / want;
+    part = part < MIN_PART ? MIN_PART : part > PART ? PART : part;
     /* first[s]: index of decode s's first part; parts are numbered decode by decode. */
     int64_t *first = malloc(sizeof(int64_t) * (num_seqs + 1));
     if (first == NULL)
         return 1;
     first[0] = 0;
     for (int64_t s = 0; s < num_seqs; s++)
-        first[s + 1] = first[s] + (seq_lens[s] + PART - 1) / PART;
+        first[s + 1] = first[s] + (seq_lens[s] + part - 1) / part;
     const int64_t tasks = first[num_seqs];
     float *m = malloc(sizeof(float) * tasks * heads), *l = malloc(sizeof(float) * tasks * heads);
     float *acc = malloc(sizeof(float) * tasks * heads * head_dim);
@@ -207,8 +218,8 @@ int paged_decode_attention(void *out, const void *q, const void *k_cache, const 
                 s++;
             while (first[s] > t)
                 s--;
-            const int64_t begin = (t - first[s]) * PART;
-            const int64_t end = begin + PART < seq_lens[s] ? begin + PART : seq_lens[s];
+            const int64_t begin = (t - first[s]) * part;
+            const int64_t end = begin + part < seq_lens[s] ? begin + part : seq_lens[s];
             attend_part_any(&c, head_dim, bf16, (const char *)q + rows[s] * row_stride * elem,
                             qf, block_table + s * table_width, begin, end, scores,
                             m + t * heads, l + t * heads, acc + t * heads * head_dim);
