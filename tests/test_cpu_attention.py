@@ -83,13 +83,9 @@ def test_build_is_cached_by_source_and_cpu(monkeypatch, tmp_path):
     assert os.listdir(os.path.dirname(first)) == [os.path.basename(first)]  # no temp files left
 
 
-@pytest.mark.parametrize("spec,heads,kv_heads,head_dim", [
-    (MIXED, 9, 3, 64), (LONG_DECODES, 8, 2, 128), (DECODES, 6, 3, 48)])
-def test_bfloat16_cache_matches_a_float32_reference_on_the_same_values(spec, heads, kv_heads,
-                                                                        head_dim):
-    """A bfloat16 KV cache: the kernel computes in float32 and rounds only its output, so it
-    matches float32 attention over the same (bf16) values to bf16's output rounding."""
-    layout = make_layout(spec, 32, contiguous=False)
+def _bf16_step(layout, heads: int, kv_heads: int, head_dim: int):  # type: ignore[no-untyped-def]
+    """The CPU backend on a bfloat16 cache and the torch one in float32 over the same values:
+    (out, ref, decode rows, the caches of each)."""
     ref, ref_k, ref_v = run_step(TorchPagedAttention(heads, kv_heads, head_dim), layout, heads,
                                  kv_heads, head_dim, values_in=torch.bfloat16)
     out, kc, vc = run_step(CpuPagedAttention(heads, kv_heads, head_dim), layout, heads, kv_heads,
@@ -99,19 +95,20 @@ def test_bfloat16_cache_matches_a_float32_reference_on_the_same_values(spec, hea
     assert out.dtype == torch.bfloat16
     # Decodes: one rounding of a float32 result (bf16 keeps 8 bits: relative 2^-8).
     torch.testing.assert_close(out[decode].float(), ref[decode], atol=1e-2, rtol=2 ** -8)
+    return out, ref, decode, (kc, vc), (ref_k, ref_v)
+
+
+@pytest.mark.parametrize("spec,heads,kv_heads,head_dim", [
+    (MIXED, 9, 3, 64), (LONG_DECODES, 8, 2, 128), (DECODES, 6, 3, 48)])
+def test_bfloat16_cache_matches_a_float32_reference_on_the_same_values(spec, heads, kv_heads,
+                                                                        head_dim):
+    """A bfloat16 KV cache: the kernel computes in float32 and rounds only its output, so it
+    matches float32 attention over the same (bf16) values to bf16's output rounding."""
+    layout = make_layout(spec, 32, contiguous=False)
+    out, ref, decode, (kc, vc), (ref_k, ref_v) = _bf16_step(layout, heads, kv_heads, head_dim)
     # Chunks go through PyTorch's bf16 SDPA, which rounds inside too.
     torch.testing.assert_close(out[~decode].float(), ref[~decode], atol=3e-2, rtol=3e-2)
     assert torch.equal(kc.float(), ref_k) and torch.equal(vc.float(), ref_v)
-
-
-def _compare_bf16_decodes(layout, heads: int, kv_heads: int, head_dim: int) -> None:  # type: ignore[no-untyped-def]
-    ref, _, _ = run_step(TorchPagedAttention(heads, kv_heads, head_dim), layout, heads,
-                         kv_heads, head_dim, values_in=torch.bfloat16)
-    out, _, _ = run_step(CpuPagedAttention(heads, kv_heads, head_dim), layout, heads, kv_heads,
-                         head_dim, dtype=torch.bfloat16)
-    decode = torch.from_numpy(layout.query_lens == 1).repeat_interleave(
-        torch.from_numpy(layout.query_lens))
-    torch.testing.assert_close(out[decode].float(), ref[decode], atol=1e-2, rtol=2 ** -8)
 
 
 # The AVX512_BF16 path (paged_decode_bf16.h) where the CPU has it: head sizes 64 and 128, runs
@@ -122,8 +119,7 @@ def _compare_bf16_decodes(layout, heads: int, kv_heads: int, head_dim: int) -> N
     (9, 3, 64), (4, 4, 64), (16, 2, 64), (10, 2, 64), (8, 2, 128), (6, 2, 128), (2, 2, 128)])
 def test_bfloat16_decodes_every_block_size_and_group(block_size, heads, kv_heads, head_dim):
     spec = [(0, 1), (15, 1), (16, 1), (17, 1), (300, 1), (255, 1), (40, 30)]
-    _compare_bf16_decodes(make_layout(spec, block_size, contiguous=False), heads, kv_heads,
-                          head_dim)
+    _bf16_step(make_layout(spec, block_size, contiguous=False), heads, kv_heads, head_dim)
 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -136,8 +132,8 @@ def test_bfloat16_decodes_every_block_size_and_group(block_size, heads, kv_heads
     seed=st.integers(0, 100),
 )
 def test_bfloat16_decodes_random_batches(spec, block_size, group, head_dim, seed):
-    _compare_bf16_decodes(make_layout(spec, block_size, contiguous=False, seed=seed), 2 * group,
-                          2, head_dim)
+    _bf16_step(make_layout(spec, block_size, contiguous=False, seed=seed), 2 * group, 2,
+               head_dim)
 
 
 def test_mixed_dtypes_are_refused():

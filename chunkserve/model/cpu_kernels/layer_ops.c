@@ -12,29 +12,9 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "storage.h"
+
 #define PARALLEL_MIN_ELEMENTS 32768 /* below this, one thread: a fork-join costs ~5-10 us */
-
-static inline float get(const void *p, int64_t i, int bf16)
-{
-    if (!bf16)
-        return ((const float *)p)[i];
-    const uint32_t bits = (uint32_t)((const uint16_t *)p)[i] << 16;
-    float x;
-    memcpy(&x, &bits, sizeof x);
-    return x;
-}
-
-static inline void put(void *p, int64_t i, float x, int bf16)
-{
-    if (!bf16) {
-        ((float *)p)[i] = x;
-        return;
-    }
-    uint32_t bits;
-    memcpy(&bits, &x, sizeof bits);
-    bits += 0x7FFF + ((bits >> 16) & 1); /* round to nearest even, as PyTorch's conversion */
-    ((uint16_t *)p)[i] = (uint16_t)(bits >> 16);
-}
 
 /* h[t] += delta[t] (when delta is not NULL; delta stored as `delta_bf16` says), then
  * out[t] = h[t] / rms(h[t]) * weight, for T rows of H. h and weight float32; out as `out_bf16`.
@@ -48,12 +28,12 @@ void add_rms_norm(float *h, const void *delta, int64_t delta_bf16, const float *
         float *x = h + t * H, sum = 0.0f;
         if (delta != NULL)
             for (int64_t i = 0; i < H; i++)
-                x[i] += get(delta, t * H + i, delta_bf16);
+                x[i] += load(delta, t * H + i, delta_bf16);
         for (int64_t i = 0; i < H; i++)
             sum += x[i] * x[i];
         const float inv = 1.0f / sqrtf(sum / (float)H + eps);
         for (int64_t i = 0; i < H; i++)
-            put(out, t * H + i, x[i] * inv * weight[i], out_bf16);
+            store(out, t * H + i, x[i] * inv * weight[i], out_bf16);
     }
 }
 
@@ -64,9 +44,9 @@ void silu_and_mul(const void *gate_up, void *out, int64_t bf16, int64_t T, int64
 #pragma omp parallel for num_threads(num_threads) if (T * I >= PARALLEL_MIN_ELEMENTS)
     for (int64_t t = 0; t < T; t++)
         for (int64_t i = 0; i < I; i++) {
-            const float g = get(gate_up, t * 2 * I + i, bf16);
-            const float u = get(gate_up, t * 2 * I + I + i, bf16);
-            put(out, t * I + i, g / (1.0f + expf(-g)) * u, bf16);
+            const float g = load(gate_up, t * 2 * I + i, bf16);
+            const float u = load(gate_up, t * 2 * I + I + i, bf16);
+            store(out, t * I + i, g / (1.0f + expf(-g)) * u, bf16);
         }
 }
 
@@ -76,9 +56,9 @@ static inline void rotate(const void *src, int64_t s, void *dst, int64_t d, int6
 {
     const int64_t half = D / 2;
     for (int64_t i = 0; i < half; i++) {
-        const float x1 = get(src, s + i, bf16), x2 = get(src, s + half + i, bf16);
-        put(dst, d + i, x1 * cos[i] - x2 * sin[i], bf16);
-        put(dst, d + half + i, x2 * cos[i] + x1 * sin[i], bf16);
+        const float x1 = load(src, s + i, bf16), x2 = load(src, s + half + i, bf16);
+        store(dst, d + i, x1 * cos[i] - x2 * sin[i], bf16);
+        store(dst, d + half + i, x2 * cos[i] + x1 * sin[i], bf16);
     }
 }
 

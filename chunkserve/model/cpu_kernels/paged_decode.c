@@ -28,6 +28,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "storage.h"
+
 #define PART 256 /* most tokens a task: 2 tasks per thread at 16 decodes of 512 on 2 cores */
 #define MIN_PART 32 /* fewest: a part's fixed costs (softmax pass, merge) stay small */
 #define MIN_TASKS_PER_THREAD 4
@@ -37,29 +39,6 @@ typedef struct {
     int64_t heads, kv_heads, block_size;
     float scale;
 } Cache;
-
-/* Element i of a float32 or bfloat16 array (bfloat16: the top half of a float32's bits). */
-static inline __attribute__((always_inline)) float load(const void *p, int64_t i, const int bf16)
-{
-    if (!bf16)
-        return ((const float *)p)[i];
-    const uint32_t bits = (uint32_t)((const uint16_t *)p)[i] << 16;
-    float x;
-    memcpy(&x, &bits, sizeof x);
-    return x;
-}
-
-static inline void store(void *p, int64_t i, float x, const int bf16)
-{
-    if (!bf16) {
-        ((float *)p)[i] = x;
-        return;
-    }
-    uint32_t bits;
-    memcpy(&bits, &x, sizeof bits);
-    bits += 0x7FFF + ((bits >> 16) & 1); /* round to nearest even, as PyTorch's conversion */
-    ((uint16_t *)p)[i] = (uint16_t)(bits >> 16);
-}
 
 /* Each head's n scores (scores[hq * PART + j]) become exp(score - max); m, l: max and sum. */
 static inline void softmax_parts(int64_t heads, int64_t n, float *scores, float *m, float *l)
