@@ -141,6 +141,25 @@ static void merge_parts(void *out, int bf16, int64_t parts, int64_t heads, int64
     }
 }
 
+/* Tokens a part: PART, or fewer when there are few decodes, so that every thread gets
+ * MIN_TASKS_PER_THREAD parts (one decode of 554 tokens in 256-token parts is 3 tasks: one of 2
+ * threads would do two). Fills first[s], the index of decode s's first part (parts are
+ * numbered decode by decode; first[num_seqs] = the number of parts). */
+static int64_t plan_parts(const int64_t *seq_lens, int64_t num_seqs, int64_t num_threads,
+                          int64_t *first)
+{
+    int64_t total = 0;
+    for (int64_t s = 0; s < num_seqs; s++)
+        total += seq_lens[s];
+    const int64_t want = MIN_TASKS_PER_THREAD * num_threads;
+    int64_t part = (total + want - 1) / want;
+    part = part < MIN_PART ? MIN_PART : part > PART ? PART : part;
+    first[0] = 0;
+    for (int64_t s = 0; s < num_seqs; s++)
+        first[s + 1] = first[s] + (seq_lens[s] + part - 1) / part;
+    return part;
+}
+
 int paged_decode_attention(void *out, const void *q, const void *k_cache, const void *v_cache,
                            int64_t bf16, const int64_t *block_table, int64_t table_width,
                            const int64_t *seq_lens, const int64_t *rows, int64_t num_seqs,
@@ -149,22 +168,10 @@ int paged_decode_attention(void *out, const void *q, const void *k_cache, const 
 {
     const Cache c = {k_cache, v_cache, heads, kv_heads, block_size, scale};
     const int64_t row_stride = heads * head_dim;
-    /* Tokens a part: PART, or fewer when there are few decodes, so that every thread gets
-     * MIN_TASKS_PER_THREAD parts (one decode of 554 tokens in 256-token parts is 3 tasks: one
-     * of 2 threads would do two). */
-    int64_t total = 0;
-    for (int64_t s = 0; s < num_seqs; s++)
-        total += seq_lens[s];
-    const int64_t want = MIN_TASKS_PER_THREAD * num_threads;
-    int64_t part = (total + want - 1) / want;
-    part = part < MIN_PART ? MIN_PART : part > PART ? PART : part;
-    /* first[s]: index of decode s's first part; parts are numbered decode by decode. */
     int64_t *first = malloc(sizeof(int64_t) * (num_seqs + 1));
     if (first == NULL)
         return 1;
-    first[0] = 0;
-    for (int64_t s = 0; s < num_seqs; s++)
-        first[s + 1] = first[s] + (seq_lens[s] + part - 1) / part;
+    const int64_t part = plan_parts(seq_lens, num_seqs, num_threads, first);
     const int64_t tasks = first[num_seqs];
     float *m = malloc(sizeof(float) * tasks * heads), *l = malloc(sizeof(float) * tasks * heads);
     float *acc = malloc(sizeof(float) * tasks * heads * head_dim);
