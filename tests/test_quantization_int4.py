@@ -9,7 +9,7 @@ from test_model_parity import full_logits
 from chunkserve.model.factory import LoadedModel, cpu_has_avx512_bf16, load_model
 from chunkserve.model.linear import Int8Linear, make_linear
 from chunkserve.model.linear_int4 import (GROUP, INT4_KERNEL_MAX_ROWS, Int4Linear,
-                                          dequantize_int4, is_exact_int4, quantize_int4)
+                                          dequantize_int4, exact_int4, quantize_int4)
 
 PROMPTS = [
     "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg",
@@ -33,9 +33,10 @@ def test_q4_1_weights_come_back_exactly():
     levels, scale, low = quantize_int4(w)
     assert levels.min() >= 0 and levels.max() <= 15
     torch.testing.assert_close(dequantize_int4(levels, scale, low), w, rtol=0, atol=1e-6)
-    assert is_exact_int4(w)
-    assert not is_exact_int4(torch.randn(64, 96))  # ordinary weights are not 4-bit
-    assert not is_exact_int4(torch.randn(64, 90))  # rows not a whole number of groups
+    exact = exact_int4(w)
+    assert exact is not None and torch.equal(exact[0], levels)
+    assert exact_int4(torch.randn(64, 96)) is None  # ordinary weights are not 4-bit
+    assert exact_int4(torch.randn(64, 90)) is None  # rows not a whole number of groups
 
 
 def test_any_weight_rounds_to_half_a_step():

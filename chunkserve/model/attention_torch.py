@@ -26,7 +26,7 @@ class SeqSpan:
     q_len: int  # new tokens this step (1 for a decode)
     context_len: int  # tokens with KV after this step: cached + new
     runs: list[tuple[int, int]]  # (first block id, number of blocks) covering context_len
-    mask: torch.Tensor | None = None  # [q_len, context_len] bool, for chunks after a prefix
+    mask: torch.Tensor | None = None  # [q_len, context_len] bool: chunks after a prefix, not CPU
 
 
 @dataclass
@@ -61,7 +61,9 @@ class TorchPagedAttention:
         for i, ctx in enumerate(seq_lens):
             q_start, q_len = qsl[i], qsl[i + 1] - qsl[i]
             start = ctx - q_len
-            mask = causal_mask(start, q_len, device) if q_len > 1 and start > 0 else None
+            # A chunk after a prefix needs a mask only off the CPU (see _prefix_then_causal).
+            masked = q_len > 1 and start > 0 and device.type != "cpu"
+            mask = causal_mask(start, q_len, device) if masked else None
             runs = block_runs(layout.block_table[i], -(-ctx // layout.block_size))
             seqs.append(SeqSpan(q_start, q_len, ctx, runs, mask))
         return TorchMetadata(batch.slot_mapping, seqs)
@@ -112,10 +114,11 @@ class TorchPagedAttention:
         # small next to a prefill's attention FLOPs.
         kh = keys.transpose(0, 1).repeat_interleave(self.group, dim=0)[None]
         vh = values.transpose(0, 1).repeat_interleave(self.group, dim=0)[None]
-        if seq.mask is None:  # the chunk is the whole context so far: plain causal
+        start = seq.context_len - seq.q_len
+        if start == 0:  # the chunk is the whole context so far: plain causal
             o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=self.scale)
-        elif q.device.type == "cpu":
-            o = self._prefix_then_causal(qh, kh, vh, seq.context_len - seq.q_len)
+        elif seq.mask is None:  # on the CPU
+            o = self._prefix_then_causal(qh, kh, vh, start)
         else:
             o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=seq.mask, scale=self.scale)
         return o[0].transpose(0, 1).reshape(seq.q_len, -1)

@@ -23,7 +23,7 @@ from typing import Protocol
 import torch
 
 from chunkserve.model.dense_gemm import DenseWeight
-from chunkserve.model.linear_int4 import Int4Linear, is_exact_int4
+from chunkserve.model.linear_int4 import Int4Linear, exact_int4
 
 # Rows (tokens) up to which the int8 kernel beats a GEMM on the dequantized (packed) weight:
 # measured over 30 layers of SmolLM2's shapes from DRAM, int8 9.8 ms vs bf16 10.6 at 8 rows,
@@ -87,6 +87,7 @@ def make_linear(weight: torch.Tensor, quantization: str | None,
                          f"got {quantization!r}")
     if weight.device.type != "cpu":
         raise ValueError(f"quantization {quantization!r} runs on the CPU only")
-    if quantization == "int4" or (quantization == "auto" and is_exact_int4(weight.float())):
+    if quantization == "int4":
         return Int4Linear(weight, dtype)
-    return Int8Linear(weight, dtype)
+    exact = exact_int4(weight.float()) if quantization == "auto" else None
+    return Int4Linear(weight, dtype, exact) if exact else Int8Linear(weight, dtype)

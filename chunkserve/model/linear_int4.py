@@ -4,7 +4,7 @@ Each group of 32 consecutive input weights of an output channel is stored as 4-b
 0..15 with its own scale and minimum (w = minimum + level * scale). That is exactly GGUF's
 Q4_1 block (and Q4_0's, whose minimum is -8 scales): the default model's linear weights are
 Q4_1, so for them int4 is not a further approximation, unlike int8's one scale per channel;
-re-quantizing a dequantized Q4_1 tensor gives back its blocks (`is_exact_int4`). Decode rows
+re-quantizing a dequantized Q4_1 tensor gives back its blocks (`exact_int4`). Decode rows
 (up to `INT4_KERNEL_MAX_ROWS`) run PyTorch's CPU kernel for this layout
 (`_weight_int4pack_mm_for_cpu`, bfloat16 activations), which streams ~half of int8's bytes;
 prefill rows, compute-bound, multiply a dense copy in the compute dtype, as `Int8Linear` does.
@@ -38,23 +38,29 @@ def dequantize_int4(levels: torch.Tensor, scale: torch.Tensor, low: torch.Tensor
     return groups.reshape(n, k)
 
 
-def is_exact_int4(w: torch.Tensor) -> bool:
-    """Whether w (float32) already is 4-bit in groups of 32, as a Q4_0/Q4_1 GGUF's weights:
-    re-quantized, every weight comes back to within a thousandth of its group's step."""
+Quantized = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # levels, scales, minimums
+
+
+def exact_int4(w: torch.Tensor) -> Quantized | None:
+    """w's int4 form when w (float32) already is 4-bit in groups of 32, as a Q4_0/Q4_1 GGUF's
+    weights: re-quantized, every weight comes back to within a thousandth of its group's step.
+    None otherwise."""
     if w.dim() != 2 or w.shape[1] % GROUP:
-        return False
+        return None
     levels, scale, low = quantize_int4(w)
     err = (dequantize_int4(levels, scale, low) - w).abs().reshape(*scale.shape, GROUP)
-    return bool((err <= 1e-3 * scale[..., None] + 1e-7).all())
+    return (levels, scale, low) if bool((err <= 1e-3 * scale[..., None] + 1e-7).all()) else None
 
 
 class Int4Linear:
-    def __init__(self, weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> None:
-        """`dtype`: the activations' (the model's compute dtype), and the dense copy's."""
+    def __init__(self, weight: torch.Tensor, dtype: torch.dtype = torch.float32,
+                 quantized: Quantized | None = None) -> None:
+        """`dtype`: the activations' (the model's compute dtype), and the dense copy's.
+        `quantized`: weight's quantize_int4 when the caller has it already (exact_int4)."""
         n, k = weight.shape
         if k % GROUP:
             raise ValueError(f"int4 needs in_features divisible by {GROUP}, got {k}")
-        levels, scale, low = quantize_int4(weight.float())
+        levels, scale, low = quantized or quantize_int4(weight.float())
         self.dtype = dtype
         self.packed = torch._convert_weight_to_int4pack_for_cpu(levels, 1)
         # The kernel's form: w = (level - 8) * scale + zero, [K / GROUP, N, 2] in the

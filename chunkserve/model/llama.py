@@ -32,7 +32,7 @@ class LlamaLayer:
         p = f"model.layers.{i}."
 
         def linear(*names: str) -> Linear:
-            # int8 is quantized from the float32 weights, not from a bf16 rounding of them.
+            # int8 and int4 are quantized from the float32 weights, not a bf16 rounding of them.
             source = torch.float32 if quantization else dtype
             weight = torch.cat([_take(w, p + n, source, device) for n in names])
             return make_linear(weight, quantization, dtype)
