@@ -1,0 +1,76 @@
+"""A decode step's GEMMs in every CPU weight format, as the model runs them.
+
+30 layers of SmolLM2's four linear shapes (qkv 960x576, o 576x576, gate_up 3072x576, down
+576x1536), each layer its own random weights so that they come from DRAM as in a real step,
+times B rows: F.linear on a plain bf16 weight, the packed dense GEMM (`DenseWeight`, bf16 and
+float32), the int8 kernel and the int4 kernel (`Int8Linear` / `Int4Linear` forced onto their
+kernels). Prints ms for all 120 GEMMs, medians of `--repeats`.
+
+    .venv/bin/python benchmarks/cpu_gemm_formats.py [--rows 1,4,8,16,64]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from chunkserve.model import linear, linear_int4
+from chunkserve.model.dense_gemm import DenseWeight
+from chunkserve.model.linear import Int8Linear
+from chunkserve.model.linear_int4 import Int4Linear
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from host import cpu_model  # noqa: E402
+
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
+LAYERS = 30
+
+
+def median_ms(fn: Callable[[], object], repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rows", default="1,4,8,16,64")
+    p.add_argument("--repeats", type=int, default=9)
+    args = p.parse_args()
+    rows = [int(r) for r in args.rows.split(",")]
+    # Every quantized layer on its kernel, whatever the row count.
+    linear.INT8_KERNEL_MAX_ROWS = linear_int4.INT4_KERNEL_MAX_ROWS = max(rows)
+    print(f"{cpu_model()} | torch {torch.__version__} | {torch.get_num_threads()} threads")
+    weights = [[torch.randn(n, k) * 0.02 for n, k in SHAPES] for _ in range(LAYERS)]
+    formats: dict[str, list[Callable[[torch.Tensor], torch.Tensor]]] = {
+        "F.linear bf16": [lambda x, w=w.bfloat16(): F.linear(x, w)
+                          for ws in weights for w in ws],
+        "packed bf16": [DenseWeight(w.bfloat16()) for ws in weights for w in ws],
+        "int8 kernel": [Int8Linear(w, torch.bfloat16) for ws in weights for w in ws],
+        "int4 kernel": [Int4Linear(w, torch.bfloat16) for ws in weights for w in ws],
+        "F.linear fp32": [lambda x, w=w: F.linear(x.float(), w) for ws in weights for w in ws],
+        "packed fp32": [DenseWeight(w) for ws in weights for w in ws],
+    }
+    print("| rows | " + " | ".join(formats) + " |\n|---:|" + "---:|" * len(formats))
+    for b in rows:
+        xs = {k: torch.randn(b, k).bfloat16() for k in {k for _, k in SHAPES}}
+        inputs = [xs[k] for _ in range(LAYERS) for _, k in SHAPES]
+        cells = []
+        for gemms in formats.values():
+            ms = median_ms(lambda g=gemms: [f(x) for f, x in zip(g, inputs)], args.repeats)
+            cells.append(f"{ms:.2f}")
+        print(f"| {b} | " + " | ".join(cells) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
