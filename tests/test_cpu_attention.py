@@ -17,6 +17,9 @@ from chunkserve.model.attention_cpu import CpuPagedAttention
 from chunkserve.model.attention_torch import TorchPagedAttention
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU backend's tests")
+CHUNK_KERNEL_HERE = cpu_kernel.load_chunk_bf16(64) is not None
+needs_chunk_kernel = pytest.mark.skipif(not CHUNK_KERNEL_HERE,
+                                        reason="the bf16 chunk kernel needs AVX512_BF16")
 
 
 def _compare(layout, heads: int, kv_heads: int, head_dim: int) -> None:  # type: ignore[no-untyped-def]
@@ -93,8 +96,10 @@ def _bf16_step(layout, heads: int, kv_heads: int, head_dim: int):  # type: ignor
     decode = torch.from_numpy(layout.query_lens == 1).repeat_interleave(
         torch.from_numpy(layout.query_lens))
     assert out.dtype == torch.bfloat16
-    # Decodes: one rounding of a float32 result (bf16 keeps 8 bits: relative 2^-8).
-    torch.testing.assert_close(out[decode].float(), ref[decode], atol=1e-2, rtol=2 ** -8)
+    # The kernels' rows: one rounding of a float32 result (bf16 keeps 8 bits: relative 2^-8).
+    # Decodes always; chunks where the bf16 chunk kernel exists (an AVX512_BF16 CPU).
+    exact = decode | CHUNK_KERNEL_HERE
+    torch.testing.assert_close(out[exact].float(), ref[exact], atol=1e-2, rtol=2 ** -8)
     return out, ref, decode, (kc, vc), (ref_k, ref_v)
 
 
@@ -106,7 +111,7 @@ def test_bfloat16_cache_matches_a_float32_reference_on_the_same_values(spec, hea
     matches float32 attention over the same (bf16) values to bf16's output rounding."""
     layout = make_layout(spec, 32, contiguous=False)
     out, ref, decode, (kc, vc), (ref_k, ref_v) = _bf16_step(layout, heads, kv_heads, head_dim)
-    # Chunks go through PyTorch's bf16 SDPA, which rounds inside too.
+    # Without the chunk kernel, chunks go through PyTorch's bf16 SDPA, which rounds inside too.
     torch.testing.assert_close(out[~decode].float(), ref[~decode], atol=3e-2, rtol=3e-2)
     assert torch.equal(kc.float(), ref_k) and torch.equal(vc.float(), ref_v)
 
@@ -134,6 +139,49 @@ def test_bfloat16_decodes_every_block_size_and_group(block_size, heads, kv_heads
 def test_bfloat16_decodes_random_batches(spec, block_size, group, head_dim, seed):
     _bf16_step(make_layout(spec, block_size, contiguous=False, seed=seed), 2 * group, 2,
                head_dim)
+
+
+# The bf16 chunk kernel (chunk_attention_bf16.c): chunks of 16-row tiles exactly, less than one,
+# and a part tile over; prefixes on and off tile and block edges; blocks shorter than a tile
+# (8), equal (16) and longer (32, 48); every GQA group shape; head sizes 64 and 128.
+CHUNKS = [(0, 2), (0, 16), (0, 17), (15, 33), (16, 16), (17, 5), (100, 40), (3, 1)]
+
+
+@needs_chunk_kernel
+@pytest.mark.parametrize("block_size", [8, 16, 32, 48])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [
+    (9, 3, 64), (4, 4, 64), (16, 2, 64), (8, 2, 128), (2, 2, 128)])
+def test_bfloat16_chunks_every_block_size_and_group(block_size, heads, kv_heads, head_dim):
+    layout = make_layout(CHUNKS, block_size, contiguous=False)
+    backend = CpuPagedAttention(heads, kv_heads, head_dim)
+    from chunkserve.model.batch import DeviceStager
+
+    assert backend.build_metadata(DeviceStager(torch.device("cpu")).to_device(layout)).chunk_args
+    _bf16_step(layout, heads, kv_heads, head_dim)
+
+
+@needs_chunk_kernel
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    spec=st.lists(st.tuples(st.integers(0, 120), st.integers(1, 70)), min_size=1, max_size=5),
+    block_size=st.sampled_from([8, 16, 32]),
+    group=st.sampled_from([1, 2, 3, 4]),
+    head_dim=st.sampled_from([64, 128]),
+    seed=st.integers(0, 100),
+)
+def test_bfloat16_chunks_random_batches(spec, block_size, group, head_dim, seed):
+    _bf16_step(make_layout(spec, block_size, contiguous=False, seed=seed), 2 * group, 2,
+               head_dim)
+
+
+@needs_chunk_kernel
+def test_bfloat16_chunk_of_a_long_prompt():
+    """A 600-token chunk after 700 cached: tasks far more than threads, keys over many tiles
+    (the online softmax rescales its running output dozens of times)."""
+    from attention_cases import NUM_BLOCKS as n
+
+    block_size = -(-1300 // (n - 4))  # the whole context within the shared pool of blocks
+    _bf16_step(make_layout([(700, 600), (0, 1)], block_size, contiguous=False), 9, 3, 64)
 
 
 def test_mixed_dtypes_are_refused():

@@ -1,11 +1,14 @@
-"""The CPU backend: the torch backend with every decode of a step batched into one kernel call.
+"""The CPU backend: the torch backend with a step's decodes, and its chunks, each batched into
+one C kernel call per layer.
 
-Prefill chunks keep PyTorch's fused SDPA (one call per chunk: their cost is the FLOPs, not the
-call); decodes — one query token each, most of a serving step's requests — go to the C kernel
-(`cpu_kernels/paged_decode.c`, built by `cpu_kernel.py`) together, once per layer, which reads
-K/V in place through the block table. Per-request SDPA costs ~0.15 ms of fixed overhead per
-call, plus a concatenation when a request's blocks are not consecutive; at 16 decodes that is
-most of the step (docs/performance.md).
+Decodes — one query token each, most of a serving step's requests — go to
+`cpu_kernels/paged_decode.c` together, which reads K/V in place through the block table.
+Per-request SDPA costs ~0.15 ms of fixed overhead per call, plus a concatenation when a
+request's blocks are not consecutive; at 16 decodes that is most of the step. Prefill chunks
+go to `cpu_kernels/chunk_attention_bf16.c` (flash attention in AVX512_BF16, also in place) when
+the cache is bfloat16 and the CPU has those instructions: 2-3x PyTorch's fused SDPA there.
+Elsewhere (float32, AVX2 CPUs) chunks keep the torch backend's SDPA, one call per chunk
+(docs/performance.md has the measurements).
 """
 from __future__ import annotations
 
@@ -29,6 +32,19 @@ class CpuMetadata(TorchMetadata):
     max_slot: int = -1  # checked against the cache's rows: the copies are not bounds-checked
     decode_arrays: tuple[np.ndarray, ...] = ()  # block table [S_d, W], seq_lens, flat rows
     decode_args: tuple[int, ...] = ()  # table address, W, seq_lens and rows addresses, S_d
+    # The same for the chunks (query runs longer than one token), for the bf16 chunk kernel:
+    chunk_arrays: tuple[np.ndarray, ...] = ()  # block table [S_c, W], seq_lens, starts, lens
+    chunk_args: tuple[int, ...] = ()  # table address, W, the three arrays' addresses, S_c
+
+
+def _kernel_args(layout_arrays: tuple[np.ndarray, ...]) -> tuple[tuple[np.ndarray, ...],
+                                                                 tuple[int, ...]]:
+    """int64 contiguous copies of (block table, per-request arrays...) that a C call reads in
+    place, and its arguments: table address, table width, each array's address, count."""
+    arrays = tuple(np.ascontiguousarray(a, dtype=np.int64) for a in layout_arrays)
+    table, rest = arrays[0], arrays[1:]
+    return arrays, (table.ctypes.data, table.shape[1], *(a.ctypes.data for a in rest),
+                    len(rest[0]))
 
 
 class CpuPagedAttention(TorchPagedAttention):
@@ -38,6 +54,7 @@ class CpuPagedAttention(TorchPagedAttention):
         super().__init__(num_heads, num_kv_heads, head_dim)
         # Built (or found in the cache) at model load, not in the first step a user waits for.
         self._kernel = cpu_kernel.load()
+        self._chunk_kernel = cpu_kernel.load_chunk_bf16(head_dim)  # None: chunks take SDPA
         self._write_kv = cpu_kernel.library().write_kv
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
         self._write_kv.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64]
@@ -52,13 +69,14 @@ class CpuPagedAttention(TorchPagedAttention):
         slots = np.ascontiguousarray(layout.slot_mapping, dtype=np.int64)
         meta = CpuMetadata(base.slot_mapping, chunks, slots=slots, slots_ptr=slots.ctypes.data,
                            max_slot=int(slots.max()) if slots.size else -1)
+        starts = layout.query_start_loc[:-1]
         if decode.any():
-            table, seq_lens, rows = (np.ascontiguousarray(a, dtype=np.int64) for a in (
-                layout.block_table[decode], layout.seq_lens[decode],
-                layout.query_start_loc[:-1][decode]))
-            meta.decode_arrays = (table, seq_lens, rows)
-            meta.decode_args = (table.ctypes.data, table.shape[1], seq_lens.ctypes.data,
-                                rows.ctypes.data, len(seq_lens))
+            meta.decode_arrays, meta.decode_args = _kernel_args((
+                layout.block_table[decode], layout.seq_lens[decode], starts[decode]))
+        if chunks and self._chunk_kernel is not None:
+            meta.chunk_arrays, meta.chunk_args = _kernel_args((
+                layout.block_table[~decode], layout.seq_lens[~decode], starts[~decode],
+                layout.query_lens[~decode]))
         return meta
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -74,9 +92,21 @@ class CpuPagedAttention(TorchPagedAttention):
                        meta.slots_ptr, len(meta.slots), k[0:1].nbytes)
 
     def forward(self, q, k, v, k_cache, v_cache, meta: CpuMetadata):  # type: ignore[no-untyped-def,override]
-        out = super().forward(q, k, v, k_cache, v_cache, meta)  # writes K/V, attends the chunks
+        self.write_kv(k, v, k_cache, v_cache, meta)
+        q = q.contiguous()
+        out = torch.empty(q.shape[0], self.num_heads * self.head_dim, dtype=q.dtype)
+        if meta.chunk_args and q.dtype == torch.bfloat16:
+            assert self._chunk_kernel is not None
+            self._check_dtypes(q, out, k_cache, v_cache)
+            failed = self._chunk_kernel(
+                out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                *meta.chunk_args, self.num_heads, self.num_kv_heads, self.head_dim,
+                k_cache.shape[1], self.scale, torch.get_num_threads())
+            if failed:
+                raise MemoryError("the CPU chunk attention kernel could not allocate its plan")
+        else:
+            self._attend(q, k_cache, v_cache, meta.seqs, out)
         if meta.decode_args:
-            q = q.contiguous()
             self._check_dtypes(q, out, k_cache, v_cache)
             failed = self._kernel(
                 out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),

@@ -77,14 +77,20 @@ class TorchPagedAttention:
 
     def forward(self, q, k, v, k_cache, v_cache, meta):  # type: ignore[no-untyped-def]
         self.write_kv(k, v, k_cache, v_cache, meta)
+        out = torch.empty(q.shape[0], self.num_heads * self.head_dim, dtype=q.dtype,
+                          device=q.device)
+        self._attend(q, k_cache, v_cache, meta.seqs, out)
+        return out
+
+    def _attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                seqs: list[SeqSpan], out: torch.Tensor) -> None:
+        """Each request's rows of `out`, one SDPA call each, over its K/V already in the cache."""
         num_blocks, block_size, kvh, d = k_cache.shape
         flat_k = k_cache.view(num_blocks * block_size, kvh, d)
         flat_v = v_cache.view(num_blocks * block_size, kvh, d)
-
-        out = torch.empty(q.shape[0], self.num_heads * d, dtype=q.dtype, device=q.device)
         kernels = sdpa_kernel(_CUDA_SDPA) if q.is_cuda else contextlib.nullcontext()
         with kernels:
-            for seq in meta.seqs:
+            for seq in seqs:
                 keys = _read(flat_k, seq, block_size)  # [ctx, kvh, d]
                 values = _read(flat_v, seq, block_size)
                 qs = q[seq.q_start : seq.q_start + seq.q_len]
@@ -93,7 +99,6 @@ class TorchPagedAttention:
                 else:
                     o = self._prefill(qs, keys, values, seq)
                 out[seq.q_start : seq.q_start + seq.q_len] = o
-        return out
 
     def _decode(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         # The query heads sharing a KV head become that head's "query rows": one SDPA call with

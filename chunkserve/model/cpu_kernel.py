@@ -1,5 +1,5 @@
-"""Builds and loads the CPU kernels (`cpu_kernels/*.c`: paged decode attention, a layer's small
-ops) with the C compiler, as one shared library.
+"""Builds and loads the CPU kernels (`cpu_kernels/*.c`: paged decode attention, bfloat16
+prefill-chunk attention, a layer's small ops) with the C compiler, as one shared library.
 
 The library is compiled once per source, compiler and CPU (`-march=native`) into a cache folder
 (`$CHUNKSERVE_CACHE_DIR`, default `~/.cache/chunkserve`) and loaded with ctypes. It links
@@ -27,6 +27,11 @@ _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 # kv_heads, head_dim, block_size, scale, num_threads
 ARGTYPES = [_ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64,
             _f32, _i64]
+
+# out, q, k_cache, v_cache, block_table, table_width, seq_lens, q_starts, q_lens, num_seqs, heads,
+# kv_heads, head_dim, block_size, scale, num_threads
+CHUNK_ARGTYPES = [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64,
+                  _i64, _f32, _i64]
 
 
 class KernelBuildError(ValueError):
@@ -106,5 +111,18 @@ def load() -> ctypes._CFuncPtr:  # type: ignore[name-defined]
     """The paged decode attention entry point."""
     fn = library().paged_decode_attention
     fn.argtypes = ARGTYPES
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def load_chunk_bf16(head_dim: int) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    """The bfloat16 prefill-chunk attention entry point (chunk_attention_bf16.c), or None where
+    this build does not have it (no AVX512_BF16) or not for this head size."""
+    lib = library()
+    lib.chunk_attention_bf16_supported.argtypes = [_i64]
+    if not lib.chunk_attention_bf16_supported(head_dim):
+        return None
+    fn = lib.chunk_attention_bf16
+    fn.argtypes = CHUNK_ARGTYPES
     fn.restype = ctypes.c_int
     return fn
