@@ -35,12 +35,17 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KERNEL_DIR = "chunkserve/model/cpu_kernels"
 
 
-def compile_kernel(source_dir: str, out_dir: str) -> ctypes._CFuncPtr:  # type: ignore[name-defined]
-    so = os.path.join(out_dir, "kernel.so")
-    subprocess.run(["cc", *cpu_kernel.CFLAGS, os.path.join(source_dir, "paged_decode.c"),
-                    "-o", so, "-lm"], check=True)
-    fn = ctypes.CDLL(so).paged_decode_attention
-    fn.argtypes = cpu_kernel.ARGTYPES
+def compile_kernel(source_dir: str, out_dir: str, source: str = "paged_decode.c",
+                   symbol: str = "paged_decode_attention",
+                   argtypes: list | None = None) -> ctypes._CFuncPtr:  # type: ignore[name-defined]
+    """One kernel source of `source_dir` compiled alone as the engine compiles it, and its
+    entry point (chunk_kernel_ab.py passes the chunk kernel's)."""
+    so = os.path.join(out_dir, source.replace(".c", ".so"))
+    error = cpu_kernel.compile_shared("cc", [os.path.join(source_dir, source)], so)
+    if error:
+        sys.exit(error)
+    fn = getattr(ctypes.CDLL(so), symbol)
+    fn.argtypes = argtypes or cpu_kernel.ARGTYPES
     fn.restype = ctypes.c_int
     return fn
 

@@ -20,7 +20,11 @@ from functools import cache
 import torch  # noqa: F401  (first: its libgomp.so.1 is the one the kernel must bind to)
 
 SOURCE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_kernels")
-CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11"]
+# Linked apart, without -ffast-math: with it, GCC before 13 links crtfastmath.o into a shared
+# library too, whose constructor sets flush-to-zero / denormals-are-zero for the whole process
+# when the library loads: every float op of PyTorch and Python after it would change.
+LDFLAGS = ["-shared", "-fopenmp"]
 
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 # out, q, k_cache, v_cache, bf16, block_table, table_width, seq_lens, rows, num_seqs, heads,
@@ -74,7 +78,7 @@ def _build(cc: str) -> str:
         with open(os.path.join(SOURCE_DIR, name), "rb") as f:
             source += name.encode() + f.read()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256(source + " ".join(CFLAGS).encode() + version.encode()
+    key = hashlib.sha256(source + " ".join(CFLAGS + LDFLAGS).encode() + version.encode()
                          + _cpu_id().encode()).hexdigest()[:16]
     path = os.path.join(cache_dir(), f"cpu_kernels-{key}.so")
     if os.path.isfile(path):
@@ -89,16 +93,30 @@ def _build(cc: str) -> str:
                                "set CHUNKSERVE_CACHE_DIR, or use --attention-backend torch.") from e
     os.close(fd)
     try:
-        done = subprocess.run([cc, *CFLAGS, *_sources(), "-o", tmp, "-lm"], capture_output=True,
-                              text=True)
-        if done.returncode != 0:
-            raise KernelBuildError(f"compiling {SOURCE_DIR} with {cc} failed:\n"
-                                   f"{done.stderr.strip()}\nUse --attention-backend torch.")
+        error = compile_shared(cc, _sources(), tmp)
+        if error:
+            raise KernelBuildError(f"compiling {SOURCE_DIR} with {cc} failed:\n{error}\n"
+                                   "Use --attention-backend torch.")
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return path
+
+
+def compile_shared(cc: str, sources: list[str], out: str) -> str:
+    """Compiles `sources` (CFLAGS) and links them into the shared library `out` (LDFLAGS).
+    Returns the compiler's error text, or "" when it built."""
+    with tempfile.TemporaryDirectory() as tmp:
+        objects = [os.path.join(tmp, f"{i}.o") for i in range(len(sources))]
+        for src, obj in zip(sources, objects):
+            done = subprocess.run([cc, *CFLAGS, "-c", src, "-o", obj], capture_output=True,
+                                  text=True)
+            if done.returncode != 0:
+                return done.stderr.strip()
+        done = subprocess.run([cc, *LDFLAGS, *objects, "-o", out, "-lm"], capture_output=True,
+                              text=True)
+        return done.stderr.strip() if done.returncode != 0 else ""
 
 
 @cache

@@ -6,17 +6,20 @@
  * needs K/V gathered out of the blocks and repeated per query head (GQA), and a chunk after a
  * prefix took two calls merged by their log-sum-exps (docs/performance.md).
  *
- * This is flash attention (online softmax over key tiles) shaped for AVX-512:
- *   - a task is TILE = 16 query rows of one head; its scores for a tile of 16 keys are 16
- *     vectors, one per key, whose 16 lanes are the 16 query rows. So the row-wise max and sum
- *     of the online softmax are plain lane-wise operations across vectors: no horizontal sums.
- *   - Q·K^T: vdpbf16ps multiplies bf16 pairs along head_dim exactly and sums in float32: the
- *     task's query rows are transposed once into pairs-by-row (qp), each key's pair broadcast.
- *   - P·V: float32 FMAs, probabilities kept in float32; a tile's V rows are widened once.
+ * This is flash attention (online softmax over steps of KEYS keys) shaped for AVX-512:
+ *   - a task is TILE = 16 query rows of one chunk for every query head of one KV head (GQA:
+ *     the step's K/V rows are read from the blocks and rearranged once for the whole group);
+ *   - a head's scores for 16 keys are 16 vectors, one per key, whose 16 lanes are the 16 query
+ *     rows, so the row-wise max and sum of the online softmax are lane-wise operations across
+ *     vectors: no horizontal sums;
+ *   - Q.K^T: vdpbf16ps multiplies bf16 pairs along head_dim exactly and sums in float32; the
+ *     task's query rows are transposed once into pairs-by-row (qp), each key's pair broadcast;
+ *   - P.V: vdpbf16ps again, two keys a multiply: V rows interleaved by key pairs, P rounded to
+ *     bf16 pairs (as flash attention rounds P to its inputs' type; the row sums stay float32);
  *   - causal, aligned to the bottom right: query i of a chunk of T after a prefix of
- *     start = seq_len - T tokens sees keys 0..start+i; only tiles on the diagonal are masked.
- * GQA needs nothing: a task reads its KV head's rows; the tasks of a group share them in cache.
+ *     start = seq_len - T tokens sees keys 0..start+i; only steps on the diagonal are masked.
  * Tasks go to threads with a dynamic schedule, each chunk's longest (last) tiles first.
+ * Against PyTorch's SDPA on a Zen 5: ~4x the attention FLOP rate (docs/performance.md).
  *
  * Layouts (contiguous, bfloat16):
  *   q, out       [T, heads, head_dim]; chunk s owns rows q_starts[s] .. + q_lens[s]
@@ -29,7 +32,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define TILE 16 /* query rows of a task = keys of a tile = float32 lanes of a vector */
+#define TILE 16 /* query rows of a task = float32 lanes of a vector = keys a score pass holds */
+#define KEYS 32 /* keys per online-softmax step: two score passes */
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
@@ -62,22 +66,31 @@ static inline __attribute__((always_inline)) __m512 exp_ps(__m512 x)
     return _mm512_scalef_ps(p, n);
 }
 
-/* The keys of tile j0 (n of them; the rest repeat key j0, to be masked): K rows as stored
- * into kt [TILE, D], V rows widened to float32 into vf [TILE, D]. */
+/* The keys j0 .. j0+n-1 of a step (the rest, up to KEYS, repeat key j0 and are masked): K rows
+ * as stored into kt [KEYS, D]; V rows as pairs of consecutive keys, vp [KEYS/2, D] dwords
+ * (V[2k][d], V[2k+1][d]): the layout vdpbf16ps reduces over, two keys per multiply. */
 static inline __attribute__((always_inline)) void
-load_kv_tile(const Chunks *c, const int64_t D, const int64_t *table, int64_t kvh, int64_t j0,
-             int64_t n, uint16_t *kt, float *vf)
+load_kv(const Chunks *c, const int64_t D, const int64_t *table, int64_t kvh, int64_t j0,
+        int64_t n, uint16_t *kt, uint32_t *vp)
 {
-    for (int64_t jj = 0; jj < TILE; jj++) {
+    const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9,
+                                        40, 8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1,
+                                        32, 0);
+    const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+    const uint16_t *vr[2];
+    for (int64_t jj = 0; jj < KEYS; jj++) {
         const int64_t j = j0 + (jj < n ? jj : 0);
         const int64_t slot = table[j / c->block_size] * c->block_size + j % c->block_size;
         const int64_t at = (slot * c->kv_heads + kvh) * D;
         memcpy(kt + jj * D, c->k_cache + at, D * sizeof(uint16_t));
-        for (int64_t d = 0; d < D; d += 16) {
-            const __m512i x = _mm512_cvtepu16_epi32(
-                _mm256_loadu_si256((const __m256i *)(c->v_cache + at + d)));
-            _mm512_store_ps(vf + jj * D + d, _mm512_castsi512_ps(_mm512_slli_epi32(x, 16)));
-        }
+        vr[jj & 1] = c->v_cache + at;
+        if (jj & 1)
+            for (int64_t d = 0; d < D; d += 32) {
+                const __m512i a = _mm512_loadu_si512(vr[0] + d), b = _mm512_loadu_si512(vr[1] + d);
+                uint32_t *dst = vp + (jj / 2) * D + d;
+                _mm512_store_si512(dst, _mm512_permutex2var_epi16(a, lo, b));
+                _mm512_store_si512(dst + 16, _mm512_permutex2var_epi16(a, hi, b));
+            }
     }
 }
 
@@ -91,91 +104,154 @@ static inline __attribute__((always_inline)) __mmask16 causal_lanes(int64_t j, i
     return first_lane <= 0 ? (__mmask16)0xFFFF : (__mmask16)(0xFFFFu << first_lane);
 }
 
-/* One task: query rows i0 .. i0+TILE-1 (those < T) of chunk s, head h. */
+/* Scores of keys kt[0..TILE) for the task's rows (qp: [D/2, TILE] bf16 pairs), scaled, the
+ * masked ones -1e30: sc[jj] lane i = q[i] . k[jj] * scale. */
 static inline __attribute__((always_inline)) void
-attend_tile(const Chunks *c, const int64_t D, int64_t s, int64_t h, int64_t i0)
+score_keys(const int64_t D, const uint32_t *qp, const uint16_t *kt, const __mmask16 *km,
+           float scale, __m512 *mx, float *sc)
 {
-    enum { RB = 256 / 64 }; /* rows whose outputs a P·V pass holds: RB * D/16 <= 16 vectors */
+    __m512 acc[TILE];
+    for (int jj = 0; jj < TILE; jj++)
+        acc[jj] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < D / 2; p++) {
+        const __m512bh qv = (__m512bh)_mm512_load_si512(qp + p * TILE);
+        for (int jj = 0; jj < TILE; jj++)
+            acc[jj] = _mm512_dpbf16_ps(
+                acc[jj], qv, (__m512bh)_mm512_set1_epi32(((const int32_t *)(kt + jj * D))[p]));
+    }
+    for (int jj = 0; jj < TILE; jj++) {
+        acc[jj] = _mm512_mask_mul_ps(_mm512_set1_ps(-1e30f), km[jj], acc[jj],
+                                     _mm512_set1_ps(scale));
+        *mx = _mm512_max_ps(*mx, acc[jj]);
+        _mm512_store_ps(sc + jj * TILE, acc[jj]);
+    }
+}
+
+/* A query head's running state in a task: its rows transposed into bf16 pairs (qp [D/2, TILE]),
+ * unnormalised output (o [TILE, D]), row maxima and sums (m, l [TILE]). */
+typedef struct {
+    uint32_t *qp;
+    float *o, *m, *l;
+} HeadState;
+
+/* (A multiple of 16 floats: every state, and each array in it, stays 64-byte aligned.) */
+static size_t head_state_floats(int64_t D) { return D / 2 * TILE + TILE * D + 2 * TILE; }
+
+static inline __attribute__((always_inline)) HeadState head_state(float *buf, int64_t D, int64_t g)
+{
+    float *at = buf + g * head_state_floats(D);
+    const HeadState st = {(uint32_t *)at, at + D / 2 * TILE, at + D / 2 * TILE + TILE * D,
+                          at + D / 2 * TILE + TILE * D + TILE};
+    return st;
+}
+
+/* One head's online-softmax step over the KEYS keys in kt/vp (n real ones, masks km). */
+static inline __attribute__((always_inline)) void
+attend_keys(const int64_t D, const HeadState *st, const uint16_t *kt, const uint32_t *vp,
+            const __mmask16 *km, int64_t n, int64_t rows, float scale)
+{
+    enum { RB = 4 }; /* rows whose outputs a P·V pass holds: RB * D/16 <= 16 vectors */
     const int64_t rows_per_pass = D == 64 ? RB : RB / 2;
+    float sc[KEYS * TILE] __attribute__((aligned(64)));        /* [key, row] scores */
+    uint32_t pp[KEYS / 2 * TILE] __attribute__((aligned(64))); /* [key pair, row] bf16 pairs */
+    float ab[TILE] __attribute__((aligned(64)));
+    /* vpermw: word 2i <- word i (key 2k's P of row i), word 2i+1 <- word 16+i (key 2k+1's). */
+    const __m512i pair = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
+                                          24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
+                                          16, 0);
+    const __m512 m = _mm512_load_ps(st->m);
+    __m512 mnew = m;
+    for (int64_t half = 0; half < KEYS; half += TILE)
+        if (half < n)
+            score_keys(D, st->qp, kt + half * D, km + half, scale, &mnew, sc + half * TILE);
+        else
+            for (int jj = 0; jj < TILE; jj++)
+                _mm512_store_ps(sc + (half + jj) * TILE, _mm512_set1_ps(-1e30f));
+    /* Rescale factors; probabilities (masked ones 0), summed in float32 and rounded to bf16
+     * pairs for the P·V multiplies (as flash attention rounds P to the input type). */
+    const __m512 alpha = exp_ps(_mm512_sub_ps(m, mnew));
+    __m512 sum = _mm512_setzero_ps();
+    for (int k = 0; k < KEYS / 2; k++) {
+        const __m512 p0 = _mm512_maskz_mov_ps(
+            km[2 * k], exp_ps(_mm512_sub_ps(_mm512_load_ps(sc + 2 * k * TILE), mnew)));
+        const __m512 p1 = _mm512_maskz_mov_ps(
+            km[2 * k + 1], exp_ps(_mm512_sub_ps(_mm512_load_ps(sc + (2 * k + 1) * TILE), mnew)));
+        sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
+        _mm512_store_si512(pp + k * TILE,
+                           _mm512_permutexvar_epi16(pair, (__m512i)_mm512_cvtne2ps_pbh(p1, p0)));
+    }
+    _mm512_store_ps(st->l, _mm512_fmadd_ps(_mm512_load_ps(st->l), alpha, sum));
+    _mm512_store_ps(st->m, mnew);
+    _mm512_store_ps(ab, alpha);
+    /* o[i] = o[i] * alpha[i] + sum over key pairs of (p[2k][i], p[2k+1][i]) . vp[k]. */
+    const int64_t pairs = (n + 1) / 2;
+    for (int64_t i = 0; i < rows; i += rows_per_pass) {
+        __m512 acc[RB][128 / 16];
+        for (int64_t r = 0; r < rows_per_pass; r++)
+            for (int64_t d = 0; d < D / 16; d++)
+                acc[r][d] = _mm512_mul_ps(_mm512_load_ps(st->o + (i + r) * D + d * 16),
+                                          _mm512_set1_ps(ab[i + r]));
+        for (int64_t k = 0; k < pairs; k++)
+            for (int64_t d = 0; d < D / 16; d++) {
+                const __m512bh vv = (__m512bh)_mm512_load_si512(vp + k * D + d * 16);
+                for (int64_t r = 0; r < rows_per_pass; r++)
+                    acc[r][d] = _mm512_dpbf16_ps(
+                        acc[r][d], (__m512bh)_mm512_set1_epi32(pp[k * TILE + i + r]), vv);
+            }
+        for (int64_t r = 0; r < rows_per_pass; r++)
+            for (int64_t d = 0; d < D / 16; d++)
+                _mm512_store_ps(st->o + (i + r) * D + d * 16, acc[r][d]);
+    }
+}
+
+/* One task: query rows i0 .. i0+TILE-1 (those < T) of chunk s for every query head of KV head
+ * kvh, so each tile of K/V is read and rearranged once for the whole group. buf: the group's
+ * HeadStates. */
+static inline __attribute__((always_inline)) void
+attend_tile(const Chunks *c, const int64_t D, int64_t s, int64_t kvh, int64_t i0, float *buf)
+{
     const int64_t T = c->q_lens[s], pos0 = c->seq_lens[s] - T + i0;
     const int64_t rows = T - i0 < TILE ? T - i0 : TILE;
     const int64_t kv_end = pos0 + rows; /* the last row sees keys [0, kv_end) */
-    const int64_t kvh = h / (c->heads / c->kv_heads), q_row = c->heads * D;
+    const int64_t group = c->heads / c->kv_heads, q_row = c->heads * D;
     const int64_t *table = c->block_table + s * c->table_width;
-    uint32_t qp[64 * TILE] __attribute__((aligned(64))); /* [D/2, TILE] bf16 pairs */
-    float o[TILE * 128] __attribute__((aligned(64)));    /* [TILE, D] unnormalised output */
-    uint16_t kt[TILE * 128] __attribute__((aligned(64)));
-    float vf[TILE * 128] __attribute__((aligned(64)));
-    float pb[TILE * TILE] __attribute__((aligned(64))); /* [key, row] probabilities */
-    float ab[TILE] __attribute__((aligned(64)));
+    uint16_t kt[KEYS * 128] __attribute__((aligned(64)));
+    uint32_t vp[KEYS / 2 * 128] __attribute__((aligned(64)));
 
-    for (int64_t i = 0; i < TILE; i++) {
-        const uint32_t *src = (const uint32_t *)(c->q + (c->q_starts[s] + i0 + i) * q_row + h * D);
-        for (int64_t p = 0; p < D / 2; p++)
-            qp[p * TILE + i] = i < rows ? src[p] : 0;
-    }
-    memset(o, 0, sizeof(float) * TILE * D);
-    __m512 m = _mm512_set1_ps(-1e30f), l = _mm512_setzero_ps();
-
-    for (int64_t j0 = 0; j0 < kv_end; j0 += TILE) {
-        const int64_t n = kv_end - j0 < TILE ? kv_end - j0 : TILE;
-        load_kv_tile(c, D, table, kvh, j0, n, kt, vf);
-        __m512 sc[TILE];
-        for (int jj = 0; jj < TILE; jj++)
-            sc[jj] = _mm512_setzero_ps();
-        for (int64_t p = 0; p < D / 2; p++) {
-            const __m512bh qv = (__m512bh)_mm512_load_si512(qp + p * TILE);
-            for (int jj = 0; jj < TILE; jj++)
-                sc[jj] = _mm512_dpbf16_ps(
-                    sc[jj], qv, (__m512bh)_mm512_set1_epi32(((const int32_t *)(kt + jj * D))[p]));
+    for (int64_t g = 0; g < group; g++) {
+        const HeadState st = head_state(buf, D, g);
+        const int64_t h = kvh * group + g;
+        for (int64_t i = 0; i < TILE; i++) {
+            const uint32_t *src =
+                (const uint32_t *)(c->q + (c->q_starts[s] + i0 + i) * q_row + h * D);
+            for (int64_t p = 0; p < D / 2; p++)
+                st.qp[p * TILE + i] = i < rows ? src[p] : 0;
         }
-        /* Online softmax: new row maxima, rescale factors, probabilities (masked ones 0). */
-        __mmask16 km[TILE];
-        __m512 mnew = m;
-        for (int jj = 0; jj < TILE; jj++) {
+        memset(st.o, 0, sizeof(float) * TILE * D);
+        _mm512_store_ps(st.m, _mm512_set1_ps(-1e30f));
+        _mm512_store_ps(st.l, _mm512_setzero_ps());
+    }
+    for (int64_t j0 = 0; j0 < kv_end; j0 += KEYS) {
+        const int64_t n = kv_end - j0 < KEYS ? kv_end - j0 : KEYS;
+        load_kv(c, D, table, kvh, j0, n, kt, vp);
+        __mmask16 km[KEYS];
+        for (int jj = 0; jj < KEYS; jj++)
             km[jj] = causal_lanes(j0 + jj, pos0, jj, n);
-            sc[jj] = _mm512_mask_mul_ps(_mm512_set1_ps(-1e30f), km[jj], sc[jj],
-                                        _mm512_set1_ps(c->scale));
-            mnew = _mm512_max_ps(mnew, sc[jj]);
-        }
-        const __m512 alpha = exp_ps(_mm512_sub_ps(m, mnew));
-        __m512 sum = _mm512_setzero_ps();
-        for (int jj = 0; jj < TILE; jj++) {
-            const __m512 p = _mm512_maskz_mov_ps(km[jj], exp_ps(_mm512_sub_ps(sc[jj], mnew)));
-            sum = _mm512_add_ps(sum, p);
-            _mm512_store_ps(pb + jj * TILE, p);
-        }
-        l = _mm512_fmadd_ps(l, alpha, sum);
-        m = mnew;
-        _mm512_store_ps(ab, alpha);
-        /* o[i] = o[i] * alpha[i] + sum_j p[j][i] * v[j], a few rows at a time in registers. */
-        for (int64_t i = 0; i < rows; i += rows_per_pass) {
-            __m512 acc[RB][128 / 16];
-            for (int64_t r = 0; r < rows_per_pass; r++)
-                for (int64_t d = 0; d < D / 16; d++)
-                    acc[r][d] = _mm512_mul_ps(_mm512_load_ps(o + (i + r) * D + d * 16),
-                                              _mm512_set1_ps(ab[i + r]));
-            for (int jj = 0; jj < TILE; jj++)
-                for (int64_t d = 0; d < D / 16; d++) {
-                    const __m512 vv = _mm512_load_ps(vf + jj * D + d * 16);
-                    for (int64_t r = 0; r < rows_per_pass; r++)
-                        acc[r][d] = _mm512_fmadd_ps(_mm512_set1_ps(pb[jj * TILE + i + r]), vv,
-                                                    acc[r][d]);
-                }
-            for (int64_t r = 0; r < rows_per_pass; r++)
-                for (int64_t d = 0; d < D / 16; d++)
-                    _mm512_store_ps(o + (i + r) * D + d * 16, acc[r][d]);
+        for (int64_t g = 0; g < group; g++) {
+            const HeadState st = head_state(buf, D, g);
+            attend_keys(D, &st, kt, vp, km, n, rows, c->scale);
         }
     }
-    float lb[TILE] __attribute__((aligned(64)));
-    _mm512_store_ps(lb, l);
-    for (int64_t i = 0; i < rows; i++) {
-        const __m512 inv = _mm512_set1_ps(1.0f / lb[i]);
-        uint16_t *dst = c->out + (c->q_starts[s] + i0 + i) * q_row + h * D;
-        for (int64_t d = 0; d < D; d += 16)
-            _mm256_storeu_si256((__m256i *)(dst + d),
-                                (__m256i)_mm512_cvtneps_pbh(
-                                    _mm512_mul_ps(_mm512_load_ps(o + i * D + d), inv)));
+    for (int64_t g = 0; g < group; g++) {
+        const HeadState st = head_state(buf, D, g);
+        for (int64_t i = 0; i < rows; i++) {
+            const __m512 inv = _mm512_set1_ps(1.0f / st.l[i]);
+            uint16_t *dst = c->out + (c->q_starts[s] + i0 + i) * q_row + (kvh * group + g) * D;
+            for (int64_t d = 0; d < D; d += 16)
+                _mm256_storeu_si256((__m256i *)(dst + d),
+                                    (__m256i)_mm512_cvtneps_pbh(
+                                        _mm512_mul_ps(_mm512_load_ps(st.o + i * D + d), inv)));
+        }
     }
 }
 #else
@@ -203,20 +279,34 @@ int chunk_attention_bf16(void *out, const void *q, const void *k_cache, const vo
         return 1;
     first[0] = 0;
     for (int64_t s = 0; s < num_seqs; s++)
-        first[s + 1] = first[s] + (q_lens[s] + TILE - 1) / TILE * heads;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
-    for (int64_t t = 0; t < first[num_seqs]; t++) {
-        int64_t s = 0;
-        while (first[s + 1] <= t)
-            s++;
-        const int64_t task = t - first[s], tiles = (q_lens[s] + TILE - 1) / TILE;
-        const int64_t i0 = (tiles - 1 - task / heads) * TILE; /* the longest tiles first */
-        if (head_dim == 64)
-            attend_tile(&c, 64, s, task % heads, i0);
-        else
-            attend_tile(&c, 128, s, task % heads, i0);
+        first[s + 1] = first[s] + (q_lens[s] + TILE - 1) / TILE * kv_heads;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+        float *buf = aligned_alloc(64, sizeof(float) * head_state_floats(head_dim) *
+                                           (heads / kv_heads));
+        if (buf == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t t = 0; t < first[num_seqs]; t++) {
+            if (buf == NULL)
+                continue;
+            int64_t s = 0;
+            while (first[s + 1] <= t)
+                s++;
+            const int64_t task = t - first[s], tiles = (q_lens[s] + TILE - 1) / TILE;
+            const int64_t i0 = (tiles - 1 - task / kv_heads) * TILE; /* longest tiles first */
+            if (head_dim == 64)
+                attend_tile(&c, 64, s, task % kv_heads, i0, buf);
+            else
+                attend_tile(&c, 128, s, task % kv_heads, i0, buf);
+        }
+        free(buf);
     }
     free(first);
+    return failed;
 #endif
     return 0;
 }

@@ -1,0 +1,122 @@
+"""The CPU prefill-chunk attention kernel (chunk_attention_bf16.c) of this tree against a
+baseline commit's, called directly and alternately on the chunks of `--layers` layers.
+
+One chunk of `--chunk` query tokens after a cached prefix of `--prefix` tokens, SmolLM2's heads
+(9 query, 3 KV, head size 64) or `--head-dim 128` with 8 and 2, bfloat16, blocks of
+`--block-size` scattered over each layer's own pool. Prints ms per call of all layers (median),
+the attention FLOP rate (causal: query i sees prefix + i + 1 keys), and the largest output
+difference between the two kernels and against float32 attention over the same bf16 values
+(last layer).
+
+    .venv/bin/python benchmarks/chunk_kernel_ab.py --baseline HEAD [--chunk 2048 --prefix 0]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from chunkserve.model import cpu_kernel
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from decode_kernel_ab import KERNEL_DIR, REPO, baseline_sources, compile_kernel  # noqa: E402
+from host import cpu_model  # noqa: E402
+
+
+class Chunk:
+    """`layers` layers of bf16 caches holding prefix + chunk tokens, and one kernel call each."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.heads, self.kv_heads = (9, 3) if args.head_dim == 64 else (8, 2)
+        self.seq_len = args.prefix + args.chunk
+        bs, d = args.block_size, args.head_dim
+        self.width = -(-self.seq_len // bs)
+        rng = np.random.default_rng(0)
+        self.layers = []
+        for _ in range(args.layers):
+            kc, vc = (torch.randn(self.width, bs, self.kv_heads, d).bfloat16() for _ in range(2))
+            table = np.ascontiguousarray(rng.permutation(self.width)[None], dtype=np.int64)
+            self.layers.append((kc, vc, table))
+        self.q = torch.randn(args.chunk, self.heads, d).bfloat16()
+        self.arrays = [np.array([v], np.int64) for v in (self.seq_len, 0, args.chunk)]
+
+    def run(self, fn, out: torch.Tensor) -> float:  # type: ignore[no-untyped-def]
+        a, (seq_lens, starts, lens) = self.args, self.arrays
+        t0 = time.perf_counter()
+        for kc, vc, table in self.layers:
+            assert fn(out.data_ptr(), self.q.data_ptr(), kc.data_ptr(), vc.data_ptr(),
+                      table.ctypes.data, self.width, seq_lens.ctypes.data, starts.ctypes.data,
+                      lens.ctypes.data, 1, self.heads, self.kv_heads, a.head_dim, a.block_size,
+                      a.head_dim ** -0.5, torch.get_num_threads()) == 0
+        return time.perf_counter() - t0
+
+    def flops(self) -> int:
+        a = self.args
+        keys = a.chunk * a.prefix + a.chunk * (a.chunk + 1) // 2
+        return 4 * self.heads * a.head_dim * keys * a.layers
+
+    def reference(self) -> torch.Tensor:
+        """Float32 attention over the last layer's bf16 values (each call leaves its output)."""
+        kc, vc, table = self.layers[-1]
+        idx = torch.from_numpy(table[0])
+        k, v = (c[idx].reshape(-1, self.kv_heads, self.args.head_dim)[: self.seq_len].float()
+                .transpose(0, 1).repeat_interleave(self.heads // self.kv_heads, 0)[None]
+                for c in (kc, vc))
+        mask = torch.arange(self.seq_len)[None, :] <= torch.arange(self.args.prefix,
+                                                                   self.seq_len)[:, None]
+        o = F.scaled_dot_product_attention(self.q.float().transpose(0, 1)[None], k, v,
+                                           attn_mask=mask)
+        return o[0].transpose(0, 1)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--baseline", default="HEAD", help="git revision to compare against")
+    p.add_argument("--chunk", type=int, default=2048)
+    p.add_argument("--prefix", type=int, default=0)
+    p.add_argument("--head-dim", type=int, choices=(64, 128), default=64)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--rounds", type=int, default=7)
+    args = p.parse_args()
+    print(f"{cpu_model()} | torch {torch.__version__} | {torch.get_num_threads()} threads")
+    step = Chunk(args)
+    with tempfile.TemporaryDirectory() as tmp:
+        os.makedirs(os.path.join(tmp, "base"))
+        build = dict(source="chunk_attention_bf16.c", symbol="chunk_attention_bf16",
+                     argtypes=cpu_kernel.CHUNK_ARGTYPES)
+        kernels = {
+            args.baseline: compile_kernel(baseline_sources(args.baseline,
+                                                           os.path.join(tmp, "base")),
+                                          os.path.join(tmp, "base"), **build),
+            "this tree": compile_kernel(os.path.join(REPO, KERNEL_DIR), tmp, **build),
+        }
+        outs = {name: torch.empty(args.chunk, step.heads, args.head_dim, dtype=torch.bfloat16)
+                for name in kernels}
+        times: dict[str, list[float]] = {name: [] for name in kernels}
+        for r in range(args.rounds):  # alternate, flipping the order each round
+            order = list(kernels.items())
+            for name, fn in order if r % 2 == 0 else reversed(order):
+                times[name].append(step.run(fn, outs[name]))
+    print(f"{args.layers} layers x a {args.chunk}-token chunk after {args.prefix}, head size "
+          f"{args.head_dim}, blocks of {args.block_size} shuffled")
+    ref = step.reference()
+    print("| kernel | ms/call (median) | GFLOP/s | max abs error vs float32 |\n|---|---:|---:|---:|")
+    for name, ts in times.items():
+        med = statistics.median(ts)
+        err = (outs[name].float() - ref).abs().max().item()
+        print(f"| {name} | {med * 1e3:.2f} | {step.flops() / med / 1e9:.0f} | {err:.2g} |")
+    base, new = outs.values()
+    print(f"max |difference| of the outputs: {(base.float() - new.float()).abs().max().item():.3g}")
+
+
+if __name__ == "__main__":
+    main()
