@@ -8,7 +8,8 @@ from test_model_parity import full_logits
 
 from chunkserve.model.factory import LoadedModel, cpu_has_avx512_bf16, load_model
 from chunkserve.model.linear import Int8Linear, make_linear
-from chunkserve.model.linear_int4 import (GROUP, INT4_KERNEL_MAX_ROWS, Int4Linear,
+from chunkserve.model import cpu_kernel, linear_int4
+from chunkserve.model.linear_int4 import (GROUP, CpuInt4, Int4Linear, TorchInt4,
                                           dequantize_int4, exact_int4, quantize_int4)
 
 PROMPTS = [
@@ -23,8 +24,9 @@ def q4_1_like(n: int, k: int, seed: int = 0) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     levels = torch.randint(0, 16, (n, k // GROUP, GROUP), generator=gen)
     levels[..., 0], levels[..., 1] = 0, 15
-    scale = torch.rand(n, k // GROUP, 1, generator=gen).half().float() * 0.02 + 1e-3
-    low = -torch.rand(n, k // GROUP, 1, generator=gen).half().float() * 0.1
+    # float16 scales and minimums, as the file stores them
+    scale = (torch.rand(n, k // GROUP, 1, generator=gen) * 0.02 + 1e-3).half().float()
+    low = (-torch.rand(n, k // GROUP, 1, generator=gen) * 0.1).half().float()
     return (low + levels * scale).reshape(n, k)
 
 
@@ -46,18 +48,48 @@ def test_any_weight_rounds_to_half_a_step():
     assert (err <= scale[..., None] / 2 + 1e-6).all()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, INT4_KERNEL_MAX_ROWS, INT4_KERNEL_MAX_ROWS + 1, 100])
-def test_int4_kernel_and_dense_paths_agree(rows, dtype):
-    w = q4_1_like(96, 128, seed=rows)
+C_KERNEL = cpu_kernel.load_int4_gemm()  # None without AVX512_BF16
+KERNELS = ["torch"] + (["c"] if C_KERNEL is not None else [])
+
+
+def int4_linear(w: torch.Tensor, dtype: torch.dtype, kernel: str, monkeypatch) -> Int4Linear:  # type: ignore[no-untyped-def]
+    """An Int4Linear on PyTorch's kernel or on the C one."""
+    if kernel == "torch":
+        monkeypatch.setattr(linear_int4.cpu_kernel, "load_int4_gemm", lambda: None)
     lin = Int4Linear(w, dtype)
+    assert isinstance(lin.kernel, TorchInt4 if kernel == "torch" else CpuInt4)
+    return lin
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, 8, 9, 32, 33, 100])
+def test_int4_kernel_and_dense_paths_agree(kernel, rows, dtype, monkeypatch):
+    w = q4_1_like(96, 128, seed=rows)
+    lin = int4_linear(w, dtype, kernel, monkeypatch)
     x = torch.randn(rows, 128).to(dtype)
     ref = F.linear(x.float(), w)
     out = lin(x)
-    assert out.dtype == dtype and lin.shape == (96, 128)
+    assert out.dtype == dtype and out.shape == (rows, 96) and lin.shape == (96, 128)
     # bf16 activations, outputs and group scales in the kernel: ~2^-8 relative
     torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
     assert lin.weight_bytes < w.numel()  # under a byte a weight
+
+
+@pytest.mark.skipif(C_KERNEL is None, reason="the C int4 kernel needs AVX512_BF16")
+@pytest.mark.parametrize("n,k", [(16, 32), (100, 64), (48, 1536), (3, 96)])
+@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 17, 32])
+def test_c_int4_kernel_is_exact_on_q4_1_weights(n, k, rows, monkeypatch):
+    """Float16 scales and minimums hold a Q4_1 block exactly and the products are exact in
+    float32: the kernel's output is the float32 product over the same bf16 inputs, rounded
+    once to bf16 (channels not a multiple of 16 are padded and dropped)."""
+    w = q4_1_like(n, k, seed=n + rows)
+    lin = int4_linear(w, torch.bfloat16, "c", monkeypatch)
+    x = torch.randn(rows, k).bfloat16()
+    out = lin.kernel(x)
+    ref = F.linear(x.float(), w)
+    assert out.shape == (rows, n) and out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref, rtol=2 ** -8, atol=1e-4 * ref.abs().max().item())
 
 
 def test_auto_takes_int4_only_where_the_weights_are_4_bit():

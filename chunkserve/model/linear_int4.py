@@ -5,21 +5,21 @@ Each group of 32 consecutive input weights of an output channel is stored as 4-b
 Q4_1 block (and Q4_0's, whose minimum is -8 scales): the default model's linear weights are
 Q4_1, so for them int4 is not a further approximation, unlike int8's one scale per channel;
 re-quantizing a dequantized Q4_1 tensor gives back its blocks (`exact_int4`). Decode rows
-(up to `INT4_KERNEL_MAX_ROWS`) run PyTorch's CPU kernel for this layout
-(`_weight_int4pack_mm_for_cpu`, bfloat16 activations), which streams ~half of int8's bytes;
-prefill rows, compute-bound, multiply a dense copy in the compute dtype, as `Int8Linear` does.
+(up to the kernel's `max_rows`) run an int4 kernel, which streams ~half of int8's bytes: on
+AVX512_BF16 CPUs our own (`CpuInt4`, cpu_kernels/int4_gemm_bf16.c), elsewhere PyTorch's
+(`TorchInt4`, `_weight_int4pack_mm_for_cpu`); both take bfloat16 activations. Prefill rows,
+compute-bound, multiply a dense copy in the compute dtype, as `Int8Linear` does.
 """
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
+from chunkserve.model import cpu_kernel
 from chunkserve.model.dense_gemm import DenseWeight
 
 GROUP = 32  # GGUF's Q4_0 / Q4_1 block size
 LEVELS = 15
-# Rows up to which the int4 kernel beats the packed dense GEMM (30 layers of SmolLM2's shapes
-# from DRAM on a Zen 5: int4 8.0 ms vs bf16 10.6 at 8 rows, 14.6 vs 12.8 at 16).
-INT4_KERNEL_MAX_ROWS = 8
 
 
 def quantize_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -52,6 +52,62 @@ def exact_int4(w: torch.Tensor) -> Quantized | None:
     return (levels, scale, low) if bool((err <= 1e-3 * scale[..., None] + 1e-7).all()) else None
 
 
+class TorchInt4:
+    """PyTorch's CPU int4 kernel (`_weight_int4pack_mm_for_cpu`), bfloat16 activations."""
+
+    max_rows = 8  # where it stops beating the packed dense GEMM (8.0 vs 10.6 ms, 14.6 vs 12.8)
+
+    def __init__(self, levels: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> None:
+        self.packed = torch._convert_weight_to_int4pack_for_cpu(levels, 1)
+        # The kernel's form: w = (level - 8) * scale + zero, [K / GROUP, N, 2] in the
+        # activations' dtype (bfloat16: PyTorch's kernel takes no float32 scales with it).
+        zero = low + 8 * scale
+        self.scales_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(
+            torch.bfloat16)
+        n, k = levels.shape
+        self.weight_bytes = n * k // 2 + self.scales_zeros.numel() * 2
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16).contiguous(), self.packed,
+                                                 GROUP, self.scales_zeros)
+
+
+class CpuInt4:
+    """cpu_kernels/int4_gemm_bf16.c (AVX512_BF16 CPUs): the levels of 16 output channels
+    interleaved for vdpbf16ps, float16 scales and minimums (exact for a GGUF's Q4_0/Q4_1)."""
+
+    LANES = 16
+    # Rows up to which it beats the packed dense GEMM (benchmarks/cpu_gemm_formats.py, 30
+    # layers of SmolLM2's shapes on a Zen 5: 8.5 vs 9.9 ms at 16 rows, 17.3 vs 16.6 at 32).
+    max_rows = 16
+
+    def __init__(self, fn, levels: torch.Tensor, scale: torch.Tensor,  # type: ignore[no-untyped-def]
+                 low: torch.Tensor) -> None:
+        self.fn = fn
+        n, k = levels.shape
+        self.n = n
+        pad = -n % self.LANES  # zero channels up to a whole vector (their outputs are dropped)
+        if pad:
+            levels, scale, low = (F.pad(t, (0, 0, 0, pad)) for t in (levels, scale, low))
+        blocks, groups = (n + pad) // self.LANES, k // GROUP
+        # qw [N/16, K/32, 16 pairs, 16 channels]: byte = level 2p | level 2p+1 << 4
+        lv = levels.to(torch.uint8).reshape(blocks, self.LANES, groups, GROUP // 2, 2)
+        self.qw = (lv[..., 0] | (lv[..., 1] << 4)).permute(0, 2, 3, 1).contiguous()
+        # sm [N/16, K/32, 2, 16] float16: scales, then minimums
+        self.sm = torch.stack([scale, low]).to(torch.float16).reshape(
+            2, blocks, self.LANES, groups).permute(1, 3, 0, 2).contiguous()
+        self.weight_bytes = self.qw.numel() + self.sm.numel() * 2
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.to(torch.bfloat16).contiguous()
+        n_out = self.qw.shape[0] * self.LANES
+        y = torch.empty(x.shape[0], n_out, dtype=torch.bfloat16)
+        if self.fn(y.data_ptr(), 1, x.data_ptr(), x.shape[0], x.shape[1], self.qw.data_ptr(),
+                   self.sm.data_ptr(), n_out, torch.get_num_threads()):
+            raise MemoryError("the int4 GEMM could not allocate its group sums")
+        return y if n_out == self.n else y[:, : self.n]
+
+
 class Int4Linear:
     def __init__(self, weight: torch.Tensor, dtype: torch.dtype = torch.float32,
                  quantized: Quantized | None = None) -> None:
@@ -62,20 +118,15 @@ class Int4Linear:
             raise ValueError(f"int4 needs in_features divisible by {GROUP}, got {k}")
         levels, scale, low = quantized or quantize_int4(weight.float())
         self.dtype = dtype
-        self.packed = torch._convert_weight_to_int4pack_for_cpu(levels, 1)
-        # The kernel's form: w = (level - 8) * scale + zero, [K / GROUP, N, 2] in the
-        # activations' dtype (bfloat16: PyTorch's kernel takes no float32 scales with it).
-        zero = low + 8 * scale
-        self.scales_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(
-            torch.bfloat16)
+        fn = cpu_kernel.load_int4_gemm()
+        self.kernel: TorchInt4 | CpuInt4 = (
+            CpuInt4(fn, levels, scale, low) if fn is not None else TorchInt4(levels, scale, low))
         self.dense = DenseWeight(dequantize_int4(levels, scale, low).to(dtype))
         self.shape = (n, k)
-        # What a decode step reads: 4 bits a weight, two bf16 values a group.
-        self.weight_bytes = n * k // 2 + self.scales_zeros.numel() * 2
+        # What a decode step reads: 4 bits a weight, two 16-bit values a group.
+        self.weight_bytes = self.kernel.weight_bytes
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= INT4_KERNEL_MAX_ROWS:
-            return torch._weight_int4pack_mm_for_cpu(
-                x.to(torch.bfloat16).contiguous(), self.packed, GROUP,
-                self.scales_zeros).to(self.dtype)
+        if x.shape[0] <= self.kernel.max_rows:
+            return self.kernel(x).to(self.dtype)
         return self.dense(x)
