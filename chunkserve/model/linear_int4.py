@@ -78,8 +78,9 @@ class CpuInt4:
 
     LANES = 16
     # Rows up to which it beats the packed dense GEMM (benchmarks/cpu_gemm_formats.py, 30
-    # layers of SmolLM2's shapes on a Zen 5: 8.5 vs 9.9 ms at 16 rows, 17.3 vs 16.6 at 32).
-    max_rows = 16
+    # layers of SmolLM2's shapes on a Zen 5, two runs: 16.5 / 16.1 vs 17.4 / 17.1 ms at 32
+    # rows; 27.0 / 30.4 vs 28.9 / 26.2 at 64, a tie within the machine's noise).
+    max_rows = 32
 
     def __init__(self, fn, levels: torch.Tensor, scale: torch.Tensor,  # type: ignore[no-untyped-def]
                  low: torch.Tensor) -> None:
