@@ -16,7 +16,6 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 import numpy as np
@@ -26,7 +25,7 @@ import torch.nn.functional as F
 from chunkserve.model import cpu_kernel
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from decode_kernel_ab import KERNEL_DIR, REPO, baseline_sources, compile_kernel  # noqa: E402
+from decode_kernel_ab import alternate  # noqa: E402
 from host import cpu_model  # noqa: E402
 
 
@@ -89,23 +88,9 @@ def main() -> None:
     args = p.parse_args()
     print(f"{cpu_model()} | torch {torch.__version__} | {torch.get_num_threads()} threads")
     step = Chunk(args)
-    with tempfile.TemporaryDirectory() as tmp:
-        os.makedirs(os.path.join(tmp, "base"))
-        build = dict(source="chunk_attention_bf16.c", symbol="chunk_attention_bf16",
-                     argtypes=cpu_kernel.CHUNK_ARGTYPES)
-        kernels = {
-            args.baseline: compile_kernel(baseline_sources(args.baseline,
-                                                           os.path.join(tmp, "base")),
-                                          os.path.join(tmp, "base"), **build),
-            "this tree": compile_kernel(os.path.join(REPO, KERNEL_DIR), tmp, **build),
-        }
-        outs = {name: torch.empty(args.chunk, step.heads, args.head_dim, dtype=torch.bfloat16)
-                for name in kernels}
-        times: dict[str, list[float]] = {name: [] for name in kernels}
-        for r in range(args.rounds):  # alternate, flipping the order each round
-            order = list(kernels.items())
-            for name, fn in order if r % 2 == 0 else reversed(order):
-                times[name].append(step.run(fn, outs[name]))
+    times, outs = alternate(args.baseline, step, (args.chunk, step.heads, args.head_dim),
+                            args.rounds, source="chunk_attention_bf16.c",
+                            symbol="chunk_attention_bf16", argtypes=cpu_kernel.CHUNK_ARGTYPES)
     print(f"{args.layers} layers x a {args.chunk}-token chunk after {args.prefix}, head size "
           f"{args.head_dim}, blocks of {args.block_size} shuffled")
     ref = step.reference()

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Any
 
 import numpy as np
 import torch
@@ -60,6 +61,25 @@ def baseline_sources(rev: str, out_dir: str) -> str:
         with open(os.path.join(out_dir, name), "wb") as f:
             f.write(blob)
     return out_dir
+
+
+def alternate(baseline: str, step: Any, out_shape: tuple[int, ...], rounds: int,
+              **build: Any) -> tuple[dict[str, list[float]], dict[str, torch.Tensor]]:
+    """Compiles the baseline's kernel and this tree's (`build`: compile_kernel's source, symbol
+    and argtypes) and times `step.run(kernel, out)` with each, alternately, the order flipped
+    each round. Returns the seconds and the last output of each, by name."""
+    with tempfile.TemporaryDirectory() as tmp:
+        base = os.path.join(tmp, "base")
+        os.makedirs(base)
+        kernels = {baseline: compile_kernel(baseline_sources(baseline, base), base, **build),
+                   "this tree": compile_kernel(os.path.join(REPO, KERNEL_DIR), tmp, **build)}
+        outs = {name: torch.empty(out_shape, dtype=torch.bfloat16) for name in kernels}
+        times: dict[str, list[float]] = {name: [] for name in kernels}
+        for r in range(rounds):
+            order = list(kernels.items())
+            for name, fn in order if r % 2 == 0 else reversed(order):
+                times[name].append(step.run(fn, outs[name]))
+    return times, outs
 
 
 class Step:
@@ -105,22 +125,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=15)
     args = p.parse_args()
     print(f"{cpu_model()} | torch {torch.__version__} | {torch.get_num_threads()} threads")
-    with tempfile.TemporaryDirectory() as tmp:
-        os.makedirs(os.path.join(tmp, "base"))
-        kernels = {
-            args.baseline: compile_kernel(baseline_sources(args.baseline,
-                                                           os.path.join(tmp, "base")),
-                                          os.path.join(tmp, "base")),
-            "this tree": compile_kernel(os.path.join(REPO, KERNEL_DIR), tmp),
-        }
-        step = Step(args)
-        outs = {name: torch.empty(args.batch, HEADS, HEAD_DIM, dtype=torch.bfloat16)
-                for name in kernels}
-        times: dict[str, list[float]] = {name: [] for name in kernels}
-        for r in range(args.rounds):  # alternate, flipping the order each round
-            order = list(kernels.items())
-            for name, fn in order if r % 2 == 0 else reversed(order):
-                times[name].append(step.run(fn, outs[name]))
+    step = Step(args)
+    times, outs = alternate(args.baseline, step, (args.batch, HEADS, HEAD_DIM), args.rounds)
     gb = step.kv_bytes() / 1e9
     print(f"{args.layers} layers x {args.batch} decodes x {args.context} tokens, blocks of "
           f"{args.block_size}, {args.layout}: {gb * 1e3:.0f} MB of K/V per step")
