@@ -3,9 +3,9 @@
 30 layers of SmolLM2's four linear shapes (qkv 960x576, o 576x576, gate_up 3072x576, down
 576x1536), each layer its own random weights so that they come from DRAM as in a real step,
 times B rows: F.linear on a plain bf16 weight, the packed dense GEMM (`DenseWeight`, bf16 and
-float32), the int8 kernel and the int4 kernels, PyTorch's and the C one where the CPU has
-AVX512_BF16 (`Int8Linear` / `Int4Linear` forced onto their kernels). Prints ms for all 120
-GEMMs, medians of `--repeats`.
+float32), and int8 and int4 weights on PyTorch's kernels and, where the CPU has AVX512_BF16,
+on the C group GEMM (`Int8Linear` / `Int4Linear` forced onto their kernels at every row
+count). Prints ms for all 120 GEMMs, medians of `--repeats`.
 
     .venv/bin/python benchmarks/cpu_gemm_formats.py [--rows 1,4,8,16,64]
 """
@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from chunkserve.model import cpu_kernel, linear, linear_int4
+from chunkserve.model import group_gemm, linear, linear_int4
 from chunkserve.model.dense_gemm import DenseWeight
 from chunkserve.model.linear import Int8Linear
 from chunkserve.model.linear_int4 import Int4Linear
@@ -43,13 +43,13 @@ def median_ms(fn: Callable[[], object], repeats: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def torch_int4(w: torch.Tensor) -> Int4Linear:
-    """An Int4Linear on PyTorch's kernel, even where the C one exists."""
-    load, cpu_kernel.load_int4_gemm = cpu_kernel.load_int4_gemm, lambda: None
+def on_pytorch_kernels(make: Callable[[], object]) -> object:
+    """An Int4Linear / Int8Linear on PyTorch's kernel, even where the C group GEMM exists."""
+    load, group_gemm.available = group_gemm.available, lambda: None
     try:
-        return Int4Linear(w, torch.bfloat16)
+        return make()
     finally:
-        cpu_kernel.load_int4_gemm = load
+        group_gemm.available = load
 
 
 def main() -> None:
@@ -59,18 +59,21 @@ def main() -> None:
     args = p.parse_args()
     rows = [int(r) for r in args.rows.split(",")]
     # Every quantized layer on its kernel, whatever the row count.
-    linear.INT8_KERNEL_MAX_ROWS = linear_int4.TorchInt4.max_rows = max(rows)
-    linear_int4.CpuInt4.max_rows = max(rows)
+    linear.TorchInt8.max_rows = linear_int4.TorchInt4.max_rows = max(rows)
+    linear.C_KERNEL_MAX_ROWS = linear_int4.C_KERNEL_MAX_ROWS = max(rows)
+    c = group_gemm.available() is not None
     print(f"{cpu_model()} | torch {torch.__version__} | {torch.get_num_threads()} threads")
     weights = [[torch.randn(n, k) * 0.02 for n, k in SHAPES] for _ in range(LAYERS)]
     formats: dict[str, list[Callable[[torch.Tensor], torch.Tensor]]] = {
         "F.linear bf16": [lambda x, w=w.bfloat16(): F.linear(x, w)
                           for ws in weights for w in ws],
         "packed bf16": [DenseWeight(w.bfloat16()) for ws in weights for w in ws],
-        "int8 kernel": [Int8Linear(w, torch.bfloat16) for ws in weights for w in ws],
-        "int4 PyTorch": [torch_int4(w) for ws in weights for w in ws],
-        **({"int4 C": [Int4Linear(w, torch.bfloat16) for ws in weights for w in ws]}
-           if cpu_kernel.load_int4_gemm() is not None else {}),
+        "int8 PyTorch": [on_pytorch_kernels(lambda w=w: Int8Linear(w, torch.bfloat16))
+                         for ws in weights for w in ws],
+        **({"int8 C": [Int8Linear(w, torch.bfloat16) for ws in weights for w in ws]} if c else {}),
+        "int4 PyTorch": [on_pytorch_kernels(lambda w=w: Int4Linear(w, torch.bfloat16))
+                         for ws in weights for w in ws],
+        **({"int4 C": [Int4Linear(w, torch.bfloat16) for ws in weights for w in ws]} if c else {}),
         "F.linear fp32": [lambda x, w=w: F.linear(x.float(), w) for ws in weights for w in ws],
         "packed fp32": [DenseWeight(w) for ws in weights for w in ws],
     }

@@ -13,7 +13,8 @@ from test_model_parity import full_logits
 from chunkserve import LLM, SamplingParams
 from chunkserve.model import factory
 from chunkserve.model.factory import LoadedModel, load_model, resolve_quantization
-from chunkserve.model.linear import INT8_KERNEL_MAX_ROWS, Int8Linear
+from chunkserve.model import group_gemm
+from chunkserve.model.linear import Int8Linear, TorchInt8, quantize_int8_groups
 
 CPU = torch.device("cpu")
 PROMPTS = [
@@ -22,25 +23,67 @@ PROMPTS = [
 ]
 
 
-def test_int8_weights_round_to_their_channel_scale():
-    w = torch.randn(64, 48) * torch.linspace(0.01, 2.0, 64)[:, None]  # rows of different range
-    lin = Int8Linear(w)
-    assert lin.qweight.dtype == torch.int8 and lin.weight_bytes < w.numel() * 2
-    err = (lin.dequantized() - w).abs()
-    assert (err <= lin.scales[:, None] / 2 + 1e-6).all()
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, INT8_KERNEL_MAX_ROWS, INT8_KERNEL_MAX_ROWS + 1, 100])
-def test_int8_kernel_and_dequantized_paths_agree(rows, dtype):
-    w = torch.randn(96, 64)
+def int8_linear(w: torch.Tensor, dtype: torch.dtype, kernel: str, monkeypatch) -> Int8Linear:  # type: ignore[no-untyped-def]
+    """An Int8Linear on PyTorch's per-channel kernel or on the C group GEMM."""
+    if kernel == "torch":
+        monkeypatch.setattr(group_gemm, "available", lambda: None)
     lin = Int8Linear(w, dtype)
+    assert isinstance(lin.kernel, TorchInt8 if kernel == "torch" else group_gemm.GroupGemm)
+    return lin
+
+
+KERNELS = ["torch"] + (["c"] if group_gemm.available() is not None else [])
+
+
+def test_int8_weights_round_to_their_channel_scale(monkeypatch):
+    w = torch.randn(64, 48) * torch.linspace(0.01, 2.0, 64)[:, None]  # rows of different range
+    lin = int8_linear(w, torch.float32, "torch", monkeypatch)
+    assert lin.kernel.qweight.dtype == torch.int8 and lin.weight_bytes < w.numel() * 2
+    err = (lin.dequantized() - w).abs()
+    assert (err <= lin.kernel.scales[:, None] / 2 + 1e-6).all()
+
+
+def test_int8_groups_round_to_their_group_scale_and_hold_q8_0_exactly():
+    w = torch.randn(64, 96) * torch.linspace(0.01, 2.0, 96)  # groups of different range
+    levels, scales = quantize_int8_groups(w)
+    assert levels.dtype == torch.int8 and scales.shape == (64, 3)
+    back = (levels.float().reshape(64, 3, 32) * scales[..., None]).reshape(64, 96)
+    assert ((back - w).abs().reshape(64, 3, 32) <= scales[..., None] / 2 + 1e-6).all()
+    # A Q8_0 file's weights: a float16 scale a group, levels -127..127 reaching 127 in each.
+    q = torch.randint(-127, 128, (64, 3, 32))
+    q[..., 0] = 127
+    d = (torch.rand(64, 3, 1) * 0.01 + 1e-4).half().float()
+    q8_0 = (q * d).reshape(64, 96)
+    levels, scales = quantize_int8_groups(q8_0)
+    assert torch.equal(levels.reshape(64, 3, 32).long(), q) and torch.equal(scales, d[..., 0])
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 8, 9, 17, 100])
+@pytest.mark.parametrize("n", [96, 40])
+def test_int8_kernel_and_dequantized_paths_agree(kernel, rows, dtype, n, monkeypatch):
+    w = torch.randn(n, 64)
+    lin = int8_linear(w, dtype, kernel, monkeypatch)
     x = torch.randn(rows, 64).to(dtype)
     ref = F.linear(x.float(), lin.dequantized())
     out = lin(x)
-    assert out.dtype == dtype and lin.dense.dtype == dtype
+    assert out.dtype == dtype and out.shape == (rows, n) and lin.dense.dtype == dtype
     # The kernel's path rounds activations and outputs to bfloat16: 2^-8 relative.
     torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+
+
+@pytest.mark.skipif(group_gemm.available() is None, reason="the C group GEMM needs AVX512_BF16")
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 16, 17])
+def test_c_int8_kernel_is_exact_over_its_levels(rows, monkeypatch):
+    """Products of int8 levels and bf16 inputs are exact in float32: the kernel's output is the
+    float32 product over the same values, rounded once to bf16."""
+    w = torch.randn(48, 96)
+    lin = int8_linear(w, torch.bfloat16, "c", monkeypatch)
+    x = torch.randn(rows, 96).bfloat16()
+    out = lin.kernel(x)
+    ref = F.linear(x.float(), lin.dequantized())
+    torch.testing.assert_close(out.float(), ref, rtol=2 ** -8, atol=1e-4 * ref.abs().max().item())
 
 
 @pytest.fixture(scope="module")

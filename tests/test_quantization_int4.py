@@ -8,9 +8,9 @@ from test_model_parity import full_logits
 
 from chunkserve.model.factory import LoadedModel, cpu_has_avx512_bf16, load_model
 from chunkserve.model.linear import Int8Linear, make_linear
-from chunkserve.model import cpu_kernel, linear_int4
-from chunkserve.model.linear_int4 import (GROUP, CpuInt4, Int4Linear, TorchInt4,
-                                          dequantize_int4, exact_int4, quantize_int4)
+from chunkserve.model import group_gemm
+from chunkserve.model.linear_int4 import (GROUP, Int4Linear, TorchInt4, dequantize_int4,
+                                          exact_int4, quantize_int4)
 
 PROMPTS = [
     "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg",
@@ -48,16 +48,16 @@ def test_any_weight_rounds_to_half_a_step():
     assert (err <= scale[..., None] / 2 + 1e-6).all()
 
 
-C_KERNEL = cpu_kernel.load_int4_gemm()  # None without AVX512_BF16
+C_KERNEL = group_gemm.available()  # None without AVX512_BF16
 KERNELS = ["torch"] + (["c"] if C_KERNEL is not None else [])
 
 
 def int4_linear(w: torch.Tensor, dtype: torch.dtype, kernel: str, monkeypatch) -> Int4Linear:  # type: ignore[no-untyped-def]
     """An Int4Linear on PyTorch's kernel or on the C one."""
     if kernel == "torch":
-        monkeypatch.setattr(linear_int4.cpu_kernel, "load_int4_gemm", lambda: None)
+        monkeypatch.setattr(group_gemm, "available", lambda: None)
     lin = Int4Linear(w, dtype)
-    assert isinstance(lin.kernel, TorchInt4 if kernel == "torch" else CpuInt4)
+    assert isinstance(lin.kernel, TorchInt4 if kernel == "torch" else group_gemm.GroupGemm)
     return lin
 
 

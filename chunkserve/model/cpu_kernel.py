@@ -1,5 +1,5 @@
 """Builds and loads the CPU kernels (`cpu_kernels/*.c`: paged decode attention, bfloat16
-prefill-chunk attention, the int4 GEMM for decode rows, a layer's small ops) with the C
+prefill-chunk attention, the int4/int8 GEMM for decode rows, a layer's small ops) with the C
 compiler, as one shared library.
 
 The library is compiled once per source, compiler and CPU (`-march=native`) into a cache folder
@@ -134,18 +134,18 @@ def load() -> ctypes._CFuncPtr:  # type: ignore[name-defined]
     return fn
 
 
-def load_int4_gemm() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    """The int4 GEMM for few rows (int4_gemm_bf16.c), or None where this build does not have it
-    (no AVX512_BF16) or the kernels do not build here."""
+def load_group_gemm() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    """The GEMM for group-quantized weights and decode rows (group_gemm_bf16.c), or None where
+    this build does not have it (no AVX512_BF16) or the kernels do not build here."""
     try:
         lib = library()
     except KernelBuildError:
         return None
-    if not lib.int4_gemm_bf16_supported():
+    if not lib.group_gemm_bf16_supported():
         return None
-    fn = lib.int4_gemm_bf16
-    # y, y_bf16, x, M, K, qw, sm, N, num_threads
-    fn.argtypes = [_ptr, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64]
+    fn = lib.group_gemm_bf16
+    # y, y_bf16, x, M, K, levels, scales, N, bits, num_threads
+    fn.argtypes = [_ptr, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64]
     fn.restype = ctypes.c_int
     return fn
 

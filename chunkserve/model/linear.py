@@ -22,13 +22,17 @@ from typing import Protocol
 
 import torch
 
+from chunkserve.model import group_gemm
 from chunkserve.model.dense_gemm import DenseWeight
+from chunkserve.model.group_gemm import GROUP
 from chunkserve.model.linear_int4 import Int4Linear, exact_int4
 
-# Rows (tokens) up to which the int8 kernel beats a GEMM on the dequantized (packed) weight:
-# measured over 30 layers of SmolLM2's shapes from DRAM, int8 9.8 ms vs bf16 10.6 at 8 rows,
-# 18.1 vs 12.8 at 16.
+# Rows (tokens) up to which PyTorch's int8 kernel beats a GEMM on the dequantized (packed)
+# weight: measured over 30 layers of SmolLM2's shapes from DRAM, int8 9.8 ms vs bf16 10.6 at 8
+# rows, 18.1 vs 12.8 at 16.
 INT8_KERNEL_MAX_ROWS = 8
+# The same for the C group GEMM's int8 (group_gemm.py); measured in docs/performance.md.
+C_KERNEL_MAX_ROWS = 8
 
 
 class Linear(Protocol):
@@ -49,29 +53,68 @@ class DenseLinear:
         return self.gemm(x)
 
 
-class Int8Linear:
-    def __init__(self, weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> None:
-        """`dtype`: the activations' (the model's compute dtype), and the dense copy's."""
-        w = weight.float()
-        self.dtype = dtype
+class TorchInt8:
+    """One scale per output channel, PyTorch's CPU kernel (`_weight_int8pack_mm`, bf16
+    activations, float32 sums)."""
+
+    max_rows = INT8_KERNEL_MAX_ROWS
+
+    def __init__(self, w: torch.Tensor) -> None:
         # Symmetric per output channel; an all-zero row keeps a tiny scale instead of 0/0.
         scales = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
         self.qweight = torch.round(w / scales[:, None]).clamp_(-127, 127).to(torch.int8)
         self.scales = scales  # float32, for the dequantized path
         self.scales_bf16 = scales.to(torch.bfloat16)  # the kernel takes the activations' dtype
-        self.dense = DenseWeight(self.dequantized().to(dtype))  # what prefill rows multiply by
-        self.shape = tuple(weight.shape)  # type: ignore[assignment]
-        # What a decode step reads; prefill chunks read `dense` (not counted: compute-bound).
         self.weight_bytes = self.qweight.numel() + 4 * scales.numel()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= INT8_KERNEL_MAX_ROWS:
-            return torch._weight_int8pack_mm(x.to(torch.bfloat16).contiguous(), self.qweight,
-                                             self.scales_bf16).to(self.dtype)
-        return self.dense(x)
+        return torch._weight_int8pack_mm(x.to(torch.bfloat16).contiguous(), self.qweight,
+                                         self.scales_bf16)
 
     def dequantized(self) -> torch.Tensor:
         return self.qweight.float() * self.scales[:, None]
+
+
+def quantize_int8_groups(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(levels int8 [N, K], scales [N, K/32]): symmetric per group of 32 inputs, GGUF's Q8_0.
+    The scales are rounded to float16 first (as the kernel stores them) and the levels taken
+    against those, so a Q8_0 file's weights come back exactly."""
+    n, k = w.shape
+    groups = w.reshape(n, k // GROUP, GROUP)
+    scales = (groups.abs().amax(dim=-1) / 127.0).to(torch.float16).float()
+    levels = torch.round(groups / scales.clamp_min(1e-30)[..., None]).clamp_(-127, 127)
+    return levels.to(torch.int8).reshape(n, k), scales
+
+
+class Int8Linear:
+    """`--quantization int8`. On AVX512_BF16 CPUs: int8 levels in groups of 32 inputs, each with a
+    float16 scale (GGUF's Q8_0), through the C group GEMM (group_gemm.py): both finer and faster
+    than one scale per channel. Elsewhere: one scale per channel through PyTorch's kernel."""
+
+    def __init__(self, weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> None:
+        """`dtype`: the activations' (the model's compute dtype), and the dense copy's."""
+        w = weight.float()
+        self.dtype = dtype
+        fn = group_gemm.available() if w.shape[1] % GROUP == 0 else None
+        levels, scales = quantize_int8_groups(w) if fn is not None else (None, None)
+        if levels is not None and bool(torch.isfinite(scales).all()):  # float16 holds them
+            self.kernel: TorchInt8 | group_gemm.GroupGemm = group_gemm.GroupGemm.int8(
+                fn, levels, scales, C_KERNEL_MAX_ROWS)
+        else:
+            self.kernel = TorchInt8(w)
+        self.dense = DenseWeight(self.dequantized().to(dtype))  # what prefill rows multiply by
+        self.shape = tuple(weight.shape)  # type: ignore[assignment]
+        # What a decode step reads; prefill chunks read `dense` (not counted: compute-bound).
+        self.weight_bytes = self.kernel.weight_bytes
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= self.kernel.max_rows:
+            return self.kernel(x).to(self.dtype)
+        return self.dense(x)
+
+    def dequantized(self) -> torch.Tensor:
+        """The weights as the kernel holds them, in float32."""
+        return self.kernel.dequantized()
 
 
 def make_linear(weight: torch.Tensor, quantization: str | None,

@@ -6,20 +6,23 @@ Q4_1 block (and Q4_0's, whose minimum is -8 scales): the default model's linear 
 Q4_1, so for them int4 is not a further approximation, unlike int8's one scale per channel;
 re-quantizing a dequantized Q4_1 tensor gives back its blocks (`exact_int4`). Decode rows
 (up to the kernel's `max_rows`) run an int4 kernel, which streams ~half of int8's bytes: on
-AVX512_BF16 CPUs our own (`CpuInt4`, cpu_kernels/int4_gemm_bf16.c), elsewhere PyTorch's
+AVX512_BF16 CPUs our own (group_gemm.py, cpu_kernels/group_gemm_bf16.c), elsewhere PyTorch's
 (`TorchInt4`, `_weight_int4pack_mm_for_cpu`); both take bfloat16 activations. Prefill rows,
 compute-bound, multiply a dense copy in the compute dtype, as `Int8Linear` does.
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from chunkserve.model import cpu_kernel
+from chunkserve.model import group_gemm
 from chunkserve.model.dense_gemm import DenseWeight
+from chunkserve.model.group_gemm import GROUP
 
-GROUP = 32  # GGUF's Q4_0 / Q4_1 block size
 LEVELS = 15
+# Rows up to which the C kernel (group_gemm.py) beats the packed dense GEMM
+# (benchmarks/cpu_gemm_formats.py, 30 layers of SmolLM2's shapes on a Zen 5, two runs: 16.5 /
+# 16.1 vs 17.4 / 17.1 ms at 32 rows; 27.0 / 30.4 vs 28.9 / 26.2 at 64, a tie within the noise).
+C_KERNEL_MAX_ROWS = 32
 
 
 def quantize_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -72,43 +75,6 @@ class TorchInt4:
                                                  GROUP, self.scales_zeros)
 
 
-class CpuInt4:
-    """cpu_kernels/int4_gemm_bf16.c (AVX512_BF16 CPUs): the levels of 16 output channels
-    interleaved for vdpbf16ps, float16 scales and minimums (exact for a GGUF's Q4_0/Q4_1)."""
-
-    LANES = 16
-    # Rows up to which it beats the packed dense GEMM (benchmarks/cpu_gemm_formats.py, 30
-    # layers of SmolLM2's shapes on a Zen 5, two runs: 16.5 / 16.1 vs 17.4 / 17.1 ms at 32
-    # rows; 27.0 / 30.4 vs 28.9 / 26.2 at 64, a tie within the machine's noise).
-    max_rows = 32
-
-    def __init__(self, fn, levels: torch.Tensor, scale: torch.Tensor,  # type: ignore[no-untyped-def]
-                 low: torch.Tensor) -> None:
-        self.fn = fn
-        n, k = levels.shape
-        self.n = n
-        pad = -n % self.LANES  # zero channels up to a whole vector (their outputs are dropped)
-        if pad:
-            levels, scale, low = (F.pad(t, (0, 0, 0, pad)) for t in (levels, scale, low))
-        blocks, groups = (n + pad) // self.LANES, k // GROUP
-        # qw [N/16, K/32, 16 pairs, 16 channels]: byte = level 2p | level 2p+1 << 4
-        lv = levels.to(torch.uint8).reshape(blocks, self.LANES, groups, GROUP // 2, 2)
-        self.qw = (lv[..., 0] | (lv[..., 1] << 4)).permute(0, 2, 3, 1).contiguous()
-        # sm [N/16, K/32, 2, 16] float16: scales, then minimums
-        self.sm = torch.stack([scale, low]).to(torch.float16).reshape(
-            2, blocks, self.LANES, groups).permute(1, 3, 0, 2).contiguous()
-        self.weight_bytes = self.qw.numel() + self.sm.numel() * 2
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.to(torch.bfloat16).contiguous()
-        n_out = self.qw.shape[0] * self.LANES
-        y = torch.empty(x.shape[0], n_out, dtype=torch.bfloat16)
-        if self.fn(y.data_ptr(), 1, x.data_ptr(), x.shape[0], x.shape[1], self.qw.data_ptr(),
-                   self.sm.data_ptr(), n_out, torch.get_num_threads()):
-            raise MemoryError("the int4 GEMM could not allocate its group sums")
-        return y if n_out == self.n else y[:, : self.n]
-
-
 class Int4Linear:
     def __init__(self, weight: torch.Tensor, dtype: torch.dtype = torch.float32,
                  quantized: Quantized | None = None) -> None:
@@ -119,10 +85,15 @@ class Int4Linear:
             raise ValueError(f"int4 needs in_features divisible by {GROUP}, got {k}")
         levels, scale, low = quantized or quantize_int4(weight.float())
         self.dtype = dtype
-        fn = cpu_kernel.load_int4_gemm()
-        self.kernel: TorchInt4 | CpuInt4 = (
-            CpuInt4(fn, levels, scale, low) if fn is not None else TorchInt4(levels, scale, low))
-        self.dense = DenseWeight(dequantize_int4(levels, scale, low).to(dtype))
+        fn = group_gemm.available()
+        self.kernel: TorchInt4 | group_gemm.GroupGemm = (
+            group_gemm.GroupGemm.int4(fn, levels, scale, low, C_KERNEL_MAX_ROWS)
+            if fn is not None else TorchInt4(levels, scale, low))
+        # Prefill rows multiply the same weights (the C kernel's float16 scales: exact for a
+        # GGUF's blocks, and what its decode rows use).
+        dense = (self.kernel.dequantized() if isinstance(self.kernel, group_gemm.GroupGemm)
+                 else dequantize_int4(levels, scale, low))
+        self.dense = DenseWeight(dense.to(dtype))
         self.shape = (n, k)
         # What a decode step reads: 4 bits a weight, two 16-bit values a group.
         self.weight_bytes = self.kernel.weight_bytes
