@@ -103,7 +103,8 @@ def test_smollm2_int8_logits_stay_close_to_float32(fp32, int8, chunk):
         ids = fp32.tokenizer.encode(text)
         ref = full_logits(fp32.model, ids)
         out = full_logits(int8.model, ids, chunk=chunk)
-        assert (out - ref).abs().max().item() <= 2.0  # measured 1.63-1.79 (fp32), 1.74-1.88 (bf16)
+        # measured per channel 1.63-1.79 (fp32), 1.74-1.88 (bf16); groups of 32 0.70-0.92, 0.67-1.12
+        assert (out - ref).abs().max().item() <= 2.0
         assert (out.argmax(-1) == ref.argmax(-1)).float().mean().item() >= 0.9  # measured 0.93-1
 
 
@@ -117,9 +118,11 @@ GREEDY_PROMPTS = PROMPTS + [
 
 def test_smollm2_int8_greedy_agreement_with_float32(fp32, int8):
     """Recorded on these 10 prompts, 8 greedy tokens each: the common prefix with float32 is
-    [0, 8, 8, 8, 5, 1, 8, 8, 3, 3] tokens with float32 and with bfloat16 activations alike (dense
-    bfloat16 linears: [8, 8, 8, 8, 8, 1, 8, 8, 3, 8]).
-    The floors below leave one prompt of slack on each count."""
+    [0, 8, 8, 8, 5, 1, 8, 8, 3, 3] tokens with per-channel int8 (PyTorch's kernel), float32
+    and bfloat16 activations alike; with int8 in groups of 32 (the C kernel, AVX512_BF16 CPUs)
+    [8, 8, 8, 8, 5, 8, 8, 8, 8, 3] in float32 and [8, 8, 8, 8, 8, 1, 8, 8, 3, 3] in bfloat16
+    (dense bfloat16 linears: [8, 8, 8, 8, 8, 1, 8, 8, 3, 8]).
+    The floors below, set for per-channel int8, leave one prompt of slack on each count."""
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     ids = [fp32.tokenizer.encode(t) for t in GREEDY_PROMPTS]
     ref = [o.outputs[0].token_ids for o in LLM(loaded=fp32, model=fp32.path).generate(ids, params)]
