@@ -33,6 +33,8 @@ class GroupGemm:
         self.n = n  # output channels (levels/scales are padded to a multiple of LANES)
         self.max_rows = max_rows  # rows up to which it beats the dense GEMM (see the callers)
         self.weight_bytes = levels.numel() * levels.element_size() + scales.numel() * 2
+        self.n_out = levels.shape[0] * LANES
+        self.levels_ptr, self.scales_ptr = levels.data_ptr(), scales.data_ptr()
 
     @classmethod
     def int4(cls, fn, levels: torch.Tensor, scale: torch.Tensor, low: torch.Tensor,  # type: ignore[no-untyped-def]
@@ -76,14 +78,17 @@ class GroupGemm:
         return w.reshape(blocks * LANES, groups * GROUP)[: self.n]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.to(torch.bfloat16).contiguous()
-        n_out = self.levels.shape[0] * LANES
-        y = torch.empty(x.shape[0], n_out, dtype=torch.bfloat16)
-        if self.fn(y.data_ptr(), 1, x.data_ptr(), x.shape[0], x.shape[1],
-                   self.levels.data_ptr(), self.scales.data_ptr(), n_out, self.bits,
-                   torch.get_num_threads()):
+        # A decode step makes ~120 of these calls: each microsecond here is ~2% of a B=1 step
+        # (docs/performance.md), hence the checks before converting and the cached pointers.
+        if x.dtype != torch.bfloat16:
+            x = x.to(torch.bfloat16)
+        if not x.is_contiguous():
+            x = x.contiguous()
+        y = torch.empty(x.shape[0], self.n_out, dtype=torch.bfloat16)
+        if self.fn(y.data_ptr(), 1, x.data_ptr(), x.shape[0], x.shape[1], self.levels_ptr,
+                   self.scales_ptr, self.n_out, self.bits, torch.get_num_threads()):
             raise MemoryError("the group GEMM could not allocate its buffer")
-        return y if n_out == self.n else y[:, : self.n]
+        return y if self.n_out == self.n else y[:, : self.n]
 
 
 def _pad(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -100,5 +100,6 @@ class Int4Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] <= self.kernel.max_rows:
-            return self.kernel(x).to(self.dtype)
+            y = self.kernel(x)
+            return y if y.dtype == self.dtype else y.to(self.dtype)
         return self.dense(x)
