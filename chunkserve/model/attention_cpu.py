@@ -81,23 +81,28 @@ class CpuPagedAttention(TorchPagedAttention):
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, meta: CpuMetadata) -> None:  # type: ignore[override]
+        self._check_dtypes(k, v, k_cache, v_cache)
+        self._write(k, v, k_cache, v_cache, meta)
+
+    def _write(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+               v_cache: torch.Tensor, meta: CpuMetadata) -> None:
+        """write_kv once the dtypes are checked."""
         # One memcpy per row: index_copy_ cost ~50 us per call at 64 rows (2 per layer).
         assert meta.slots is not None and k.shape[1:] == k_cache.shape[2:] == v.shape[1:]
         if meta.max_slot >= k_cache.shape[0] * k_cache.shape[1]:
             raise IndexError(f"slot {meta.max_slot} is outside the KV cache "
                              f"({k_cache.shape[0]} blocks of {k_cache.shape[1]})")
-        self._check_dtypes(k, v, k_cache, v_cache)
         k, v = k.contiguous(), v.contiguous()
         self._write_kv(k_cache.data_ptr(), v_cache.data_ptr(), k.data_ptr(), v.data_ptr(),
                        meta.slots_ptr, len(meta.slots), k[0:1].nbytes)
 
     def forward(self, q, k, v, k_cache, v_cache, meta: CpuMetadata):  # type: ignore[no-untyped-def,override]
-        self.write_kv(k, v, k_cache, v_cache, meta)
+        self._check_dtypes(q, k, v, k_cache, v_cache)  # once for every C call below
+        self._write(k, v, k_cache, v_cache, meta)
         q = q.contiguous()
         out = torch.empty(q.shape[0], self.num_heads * self.head_dim, dtype=q.dtype)
         if meta.chunk_args and q.dtype == torch.bfloat16:
             assert self._chunk_kernel is not None
-            self._check_dtypes(q, out, k_cache, v_cache)
             failed = self._chunk_kernel(
                 out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                 *meta.chunk_args, self.num_heads, self.num_kv_heads, self.head_dim,
@@ -107,7 +112,6 @@ class CpuPagedAttention(TorchPagedAttention):
         else:
             self._attend(q, k_cache, v_cache, meta.seqs, out)
         if meta.decode_args:
-            self._check_dtypes(q, out, k_cache, v_cache)
             failed = self._kernel(
                 out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                 int(q.dtype == torch.bfloat16), *meta.decode_args, self.num_heads,
@@ -119,9 +123,13 @@ class CpuPagedAttention(TorchPagedAttention):
 
     @staticmethod
     def _check_dtypes(*tensors: torch.Tensor) -> None:
-        """The C calls take all float32 or all bfloat16, contiguous (the caches always are)."""
+        """The C calls take all float32 or all bfloat16, contiguous (the caches always are).
+        Once per layer: written without generators, it costs well under a microsecond."""
         dtype = tensors[0].dtype
-        if dtype not in (torch.float32, torch.bfloat16) or any(t.dtype != dtype for t in tensors):
+        ok = dtype is torch.float32 or dtype is torch.bfloat16
+        for t in tensors:
+            ok = ok and t.dtype is dtype
+        if not ok:
             raise TypeError(f"the CPU attention kernels take q, K/V, output and KV cache all "
                             f"float32 or all bfloat16, got {[str(t.dtype) for t in tensors]}")
-        assert all(t.is_contiguous() for t in tensors[2:])
+        assert tensors[-1].is_contiguous() and tensors[-2].is_contiguous()
