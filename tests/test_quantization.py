@@ -15,6 +15,7 @@ from chunkserve.model import factory
 from chunkserve.model.factory import LoadedModel, load_model, resolve_quantization
 from chunkserve.model import group_gemm
 from chunkserve.model.linear import Int8Linear, TorchInt8, quantize_int8_groups
+from chunkserve.model.linear_int4 import Int4Linear, TorchInt4
 
 CPU = torch.device("cpu")
 PROMPTS = [
@@ -71,6 +72,16 @@ def test_int8_kernel_and_dequantized_paths_agree(kernel, rows, dtype, n, monkeyp
     assert out.dtype == dtype and out.shape == (rows, n) and lin.dense.dtype == dtype
     # The kernel's path rounds activations and outputs to bfloat16: 2^-8 relative.
     torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+
+
+@pytest.mark.skipif(group_gemm.available() is None, reason="the C group GEMM needs AVX512_BF16")
+def test_weights_beyond_float16_fall_back_to_pytorchs_kernels():
+    """The C kernel stores scales as float16: a group needing more range takes PyTorch's."""
+    w = torch.randn(32, 64)
+    w[3, :32] *= 1e8  # a scale of ~1e6 / 127: past float16's 65504
+    assert isinstance(Int8Linear(w).kernel, TorchInt8)
+    assert isinstance(Int4Linear(w).kernel, TorchInt4)
+    assert isinstance(Int8Linear(torch.randn(32, 64)).kernel, group_gemm.GroupGemm)
 
 
 @pytest.mark.skipif(group_gemm.available() is None, reason="the C group GEMM needs AVX512_BF16")

@@ -24,6 +24,12 @@ def available() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     return cpu_kernel.load_group_gemm()
 
 
+def fits_float16(*tensors: torch.Tensor) -> bool:
+    """Whether scales (and minimums) survive float16 storage: |x| <= 65504. (Weights that need
+    more fall back to PyTorch's kernels.)"""
+    return all(bool(torch.isfinite(t.to(torch.float16)).all()) for t in tensors)
+
+
 class GroupGemm:
     """One layer's levels and float16 scales in the kernel's layout, and the call."""
 

@@ -97,7 +97,7 @@ class Int8Linear:
         self.dtype = dtype
         fn = group_gemm.available() if w.shape[1] % GROUP == 0 else None
         levels, scales = quantize_int8_groups(w) if fn is not None else (None, None)
-        if levels is not None and bool(torch.isfinite(scales).all()):  # float16 holds them
+        if levels is not None and group_gemm.fits_float16(scales):
             self.kernel: TorchInt8 | group_gemm.GroupGemm = group_gemm.GroupGemm.int8(
                 fn, levels, scales, C_KERNEL_MAX_ROWS)
         else:

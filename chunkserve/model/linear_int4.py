@@ -88,7 +88,8 @@ class Int4Linear:
         fn = group_gemm.available()
         self.kernel: TorchInt4 | group_gemm.GroupGemm = (
             group_gemm.GroupGemm.int4(fn, levels, scale, low, C_KERNEL_MAX_ROWS)
-            if fn is not None else TorchInt4(levels, scale, low))
+            if fn is not None and group_gemm.fits_float16(scale, low)
+            else TorchInt4(levels, scale, low))
         # Prefill rows multiply the same weights (the C kernel's float16 scales: exact for a
         # GGUF's blocks, and what its decode rows use).
         dense = (self.kernel.dequantized() if isinstance(self.kernel, group_gemm.GroupGemm)
