@@ -24,21 +24,22 @@ PROMPTS = [
 ]
 
 
-def int8_linear(w: torch.Tensor, dtype: torch.dtype, kernel: str, monkeypatch) -> Int8Linear:  # type: ignore[no-untyped-def]
-    """An Int8Linear on PyTorch's per-channel kernel or on the C group GEMM."""
+KERNELS = ["torch"] + (["c"] if group_gemm.available() is not None else [])
+
+
+def on_kernel(make, kernel: str, monkeypatch):  # type: ignore[no-untyped-def]
+    """`make()`, an Int8Linear or Int4Linear, on PyTorch's kernel ("torch") or on the C group
+    GEMM ("c")."""
     if kernel == "torch":
         monkeypatch.setattr(group_gemm, "available", lambda: None)
-    lin = Int8Linear(w, dtype)
-    assert isinstance(lin.kernel, TorchInt8 if kernel == "torch" else group_gemm.GroupGemm)
+    lin = make()
+    assert isinstance(lin.kernel, group_gemm.GroupGemm) == (kernel == "c")
     return lin
-
-
-KERNELS = ["torch"] + (["c"] if group_gemm.available() is not None else [])
 
 
 def test_int8_weights_round_to_their_channel_scale(monkeypatch):
     w = torch.randn(64, 48) * torch.linspace(0.01, 2.0, 64)[:, None]  # rows of different range
-    lin = int8_linear(w, torch.float32, "torch", monkeypatch)
+    lin = on_kernel(lambda: Int8Linear(w), "torch", monkeypatch)
     assert lin.kernel.qweight.dtype == torch.int8 and lin.weight_bytes < w.numel() * 2
     err = (lin.dequantized() - w).abs()
     assert (err <= lin.kernel.scales[:, None] / 2 + 1e-6).all()
@@ -65,7 +66,7 @@ def test_int8_groups_round_to_their_group_scale_and_hold_q8_0_exactly():
 @pytest.mark.parametrize("n", [96, 40])
 def test_int8_kernel_and_dequantized_paths_agree(kernel, rows, dtype, n, monkeypatch):
     w = torch.randn(n, 64)
-    lin = int8_linear(w, dtype, kernel, monkeypatch)
+    lin = on_kernel(lambda: Int8Linear(w, dtype), kernel, monkeypatch)
     x = torch.randn(rows, 64).to(dtype)
     ref = F.linear(x.float(), lin.dequantized())
     out = lin(x)
@@ -90,7 +91,7 @@ def test_c_int8_kernel_is_exact_over_its_levels(rows, monkeypatch):
     """Products of int8 levels and bf16 inputs are exact in float32: the kernel's output is the
     float32 product over the same values, rounded once to bf16."""
     w = torch.randn(48, 96)
-    lin = int8_linear(w, torch.bfloat16, "c", monkeypatch)
+    lin = on_kernel(lambda: Int8Linear(w, torch.bfloat16), "c", monkeypatch)
     x = torch.randn(rows, 96).bfloat16()
     out = lin.kernel(x)
     ref = F.linear(x.float(), lin.dequantized())

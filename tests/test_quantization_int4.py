@@ -5,11 +5,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from test_model_parity import full_logits
+from test_quantization import KERNELS, on_kernel
 
 from chunkserve.model.factory import LoadedModel, cpu_has_avx512_bf16, load_model
 from chunkserve.model.linear import Int8Linear, make_linear
 from chunkserve.model import group_gemm
-from chunkserve.model.linear_int4 import (GROUP, Int4Linear, TorchInt4, dequantize_int4,
+from chunkserve.model.linear_int4 import (GROUP, Int4Linear, dequantize_int4,
                                           exact_int4, quantize_int4)
 
 PROMPTS = [
@@ -49,16 +50,6 @@ def test_any_weight_rounds_to_half_a_step():
 
 
 C_KERNEL = group_gemm.available()  # None without AVX512_BF16
-KERNELS = ["torch"] + (["c"] if C_KERNEL is not None else [])
-
-
-def int4_linear(w: torch.Tensor, dtype: torch.dtype, kernel: str, monkeypatch) -> Int4Linear:  # type: ignore[no-untyped-def]
-    """An Int4Linear on PyTorch's kernel or on the C one."""
-    if kernel == "torch":
-        monkeypatch.setattr(group_gemm, "available", lambda: None)
-    lin = Int4Linear(w, dtype)
-    assert isinstance(lin.kernel, TorchInt4 if kernel == "torch" else group_gemm.GroupGemm)
-    return lin
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -66,7 +57,7 @@ def int4_linear(w: torch.Tensor, dtype: torch.dtype, kernel: str, monkeypatch) -
 @pytest.mark.parametrize("rows", [1, 5, 8, 9, 32, 33, 100])
 def test_int4_kernel_and_dense_paths_agree(kernel, rows, dtype, monkeypatch):
     w = q4_1_like(96, 128, seed=rows)
-    lin = int4_linear(w, dtype, kernel, monkeypatch)
+    lin = on_kernel(lambda: Int4Linear(w, dtype), kernel, monkeypatch)
     x = torch.randn(rows, 128).to(dtype)
     ref = F.linear(x.float(), w)
     out = lin(x)
@@ -84,7 +75,7 @@ def test_c_int4_kernel_is_exact_on_q4_1_weights(n, k, rows, monkeypatch):
     float32: the kernel's output is the float32 product over the same bf16 inputs, rounded
     once to bf16 (channels not a multiple of 16 are padded and dropped)."""
     w = q4_1_like(n, k, seed=n + rows)
-    lin = int4_linear(w, torch.bfloat16, "c", monkeypatch)
+    lin = on_kernel(lambda: Int4Linear(w, torch.bfloat16), "c", monkeypatch)
     x = torch.randn(rows, k).bfloat16()
     out = lin.kernel(x)
     ref = F.linear(x.float(), w)
