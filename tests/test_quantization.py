@@ -62,7 +62,7 @@ def test_int8_groups_round_to_their_group_scale_and_hold_q8_0_exactly():
 
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 8, 9, 17, 100])
+@pytest.mark.parametrize("rows", [1, 8, 9, 16, 17, 100])
 @pytest.mark.parametrize("n", [96, 40])
 def test_int8_kernel_and_dequantized_paths_agree(kernel, rows, dtype, n, monkeypatch):
     w = torch.randn(n, 64)

@@ -64,9 +64,9 @@ class GroupGemm:
         n, k = levels.shape
         levels, scale = _pad(levels, scale)
         blocks, groups = levels.shape[0] // LANES, k // GROUP
-        # [N/16, K/32, 32 inputs, 16 channels] int8; [N/16, K/32, 16] float16
-        packed = levels.to(torch.int8).reshape(blocks, LANES, groups, GROUP).permute(
-            0, 2, 3, 1).contiguous()
+        # [N/16, K/32, 16 pairs, 16 channels, 2] int8; [N/16, K/32, 16] float16
+        packed = levels.to(torch.int8).reshape(blocks, LANES, groups, GROUP // 2, 2).permute(
+            0, 2, 3, 1, 4).contiguous()
         sc = scale.to(torch.float16).reshape(blocks, LANES, groups).permute(0, 2, 1).contiguous()
         return cls(fn, 8, packed, sc, n, max_rows)
 
@@ -76,8 +76,8 @@ class GroupGemm:
         if self.bits == 4:  # levels [B, G, 16 pairs, 16], scales [B, G, 2, 16]
             lv = torch.stack([self.levels & 15, self.levels >> 4], dim=-1).permute(0, 3, 1, 2, 4)
             scale, low = (self.scales[:, :, i].permute(0, 2, 1).float() for i in (0, 1))
-        else:  # levels [B, G, 32, 16], scales [B, G, 16]
-            lv = self.levels.permute(0, 3, 1, 2)
+        else:  # levels [B, G, 16 pairs, 16, 2], scales [B, G, 16]
+            lv = self.levels.permute(0, 3, 1, 2, 4)
             scale, low = self.scales.permute(0, 2, 1).float(), torch.zeros(())
         lv = lv.reshape(blocks, LANES, groups, GROUP).float()
         w = lv * scale[..., None] + low[..., None]  # (low: a 0-d zero for int8)

@@ -31,8 +31,9 @@ from chunkserve.model.linear_int4 import Int4Linear, exact_int4
 # weight: measured over 30 layers of SmolLM2's shapes from DRAM, int8 9.8 ms vs bf16 10.6 at 8
 # rows, 18.1 vs 12.8 at 16.
 INT8_KERNEL_MAX_ROWS = 8
-# The same for the C group GEMM's int8 (group_gemm.py); measured in docs/performance.md.
-C_KERNEL_MAX_ROWS = 8
+# The same for the C group GEMM's int8 (group_gemm.py): 5.9 vs 9.1 ms at 8 rows, 11.4 vs 11.2
+# at 16 (docs/performance.md).
+C_KERNEL_MAX_ROWS = 16
 
 
 class Linear(Protocol):

@@ -14,15 +14,16 @@
  *   int4  qw [N/16, K/32, 16 pairs, 16 channels] bytes: byte (p, n) holds the levels of inputs
  *         2p (low nibble) and 2p+1 (high nibble) of the group for channel n;
  *         sc [N/16, K/32, 2, 16] float16: the group's scale, then its minimum, per channel;
- *   int8  qw [N/16, K/32, 32 inputs, 16 channels] int8 levels;
+ *   int8  qw [N/16, K/32, 16 pairs, 16 channels, 2] int8 levels (inputs 2p, 2p+1);
  *         sc [N/16, K/32, 16] float16 scales.
  * (float16 as GGUF stores them: exact for a Q4_0/Q4_1/Q8_0 file.)
  * int4: a level q becomes the bfloat16 number 128 + q by OR-ing its bits into 0x4300 (q < 128
  * fits the 7-bit mantissa exactly), so one vdpbf16ps multiplies 16 channels' pairs of levels by
  * a broadcast pair of x and sums sum_k x_k (128 + q_k) exactly into float32; per group,
  *   y += scale * (that - 128 sum_k x_k) + minimum * sum_k x_k
- * with the group sums of x taken once per call. int8: levels widened to float32 and
- * multiplied by x (widened once per call) with FMAs; per group y += scale * sum_k x_k q_k.
+ * with the group sums of x taken once per call. int8: levels are exact in bf16 too, widened
+ * to bf16 pairs once per pass (no trick needed) for the same vdpbf16ps; per group
+ * y += scale * sum_k x_k q_k.
  * Each line of levels serves every row of x in a pass (up to ROWS rows), so more rows cost
  * mostly multiplies, not bytes. Tasks: one per 16 output channels, statically spread.
  *
@@ -99,10 +100,12 @@ int4_block(const uint16_t *x, int64_t K, const uint8_t *qw, const uint16_t *sc,
             _mm512_store_ps(out + r * LANES, y[r]);
 }
 
-/* int8: rows m0 .. m0+R-1 of y for channels 16b .. 16b+15, as int4_block. xf: x widened to
- * float32 [M, K]. */
+/* int8: rows m0 .. m0+R-1 of y for channels 16b .. 16b+15, as int4_block. Levels -127..127 are
+ * exact in bfloat16 (8 significant bits), so each pair of inputs is widened once, to float32
+ * and packed to bf16 pairs (vcvtne2ps2bf16 keeps the pair-interleaved order), and serves every
+ * row with one vdpbf16ps. */
 static inline __attribute__((always_inline)) void
-int8_block(const float *xf, int64_t K, const int8_t *qw, const uint16_t *sc, int64_t m0,
+int8_block(const uint16_t *x, int64_t K, const int8_t *qw, const uint16_t *sc, int64_t m0,
            const int R, float *out)
 {
     __m512 y[REG_ROWS];
@@ -116,12 +119,18 @@ int8_block(const float *xf, int64_t K, const int8_t *qw, const uint16_t *sc, int
         __m512 acc[ROWS];
         for (int r = 0; r < R; r++)
             acc[r] = _mm512_setzero_ps();
-        for (int k = 0; k < GROUP; k++) {
-            const __m512 w = _mm512_cvtepi32_ps(
-                _mm512_cvtepi8_epi32(_mm_load_si128((const __m128i *)(q + k * LANES))));
+        for (int p = 0; p < GROUP / 2; p++) {
+            /* 32 bytes: (input 2p, input 2p+1) for channels 0..15 */
+            const __m512 lo = _mm512_cvtepi32_ps(
+                _mm512_cvtepi8_epi32(_mm_load_si128((const __m128i *)(q + p * 2 * LANES))));
+            const __m512 hi = _mm512_cvtepi32_ps(
+                _mm512_cvtepi8_epi32(_mm_load_si128((const __m128i *)(q + p * 2 * LANES + 16))));
+            const __m512bh w = _mm512_cvtne2ps_pbh(hi, lo);
             for (int r = 0; r < R; r++)
-                acc[r] = _mm512_fmadd_ps(w, _mm512_set1_ps(xf[(m0 + r) * K + g * GROUP + k]),
-                                         acc[r]);
+                acc[r] = _mm512_dpbf16_ps(
+                    acc[r], w,
+                    (__m512bh)_mm512_set1_epi32(
+                        *(const int32_t *)(x + (m0 + r) * K + g * GROUP + 2 * p)));
         }
         const __m512 scale = _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)(sc + g * LANES)));
         for (int r = 0; r < R; r++)
@@ -136,19 +145,19 @@ int8_block(const float *xf, int64_t K, const int8_t *qw, const uint16_t *sc, int
             _mm512_store_ps(out + r * LANES, y[r]);
 }
 
-/* One pass of `rows` (1..ROWS) rows, R made a compile-time constant. ctx: the group sums of x
- * (int4) or x in float32 (int8). */
+/* One pass of `rows` (1..ROWS) rows, R made a compile-time constant. xs: the group sums of x
+ * (int4 only). */
 static void channel_rows(int bits, const uint16_t *x, int64_t K, const void *qw,
-                         const uint16_t *sc, const float *ctx, int64_t m0, int64_t rows,
+                         const uint16_t *sc, const float *xs, int64_t m0, int64_t rows,
                          float *out)
 {
     switch (rows) {
 #define CASE(n)                                                                                   \
     case n:                                                                                       \
         if (bits == 4)                                                                            \
-            int4_block(x, K, qw, sc, ctx, m0, n, out);                                            \
+            int4_block(x, K, qw, sc, xs, m0, n, out);                                             \
         else                                                                                      \
-            int8_block(ctx, K, qw, sc, m0, n, out);                                               \
+            int8_block(x, K, qw, sc, m0, n, out);                                                 \
         break;
         CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
         CASE(9) CASE(10) CASE(11) CASE(12) CASE(13) CASE(14) CASE(15) CASE(16)
@@ -168,14 +177,6 @@ static void group_sums(const uint16_t *x, int64_t M, int64_t K, float *xs)
             xs[m * (K / GROUP) + g] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
         }
 }
-
-static void widen(const uint16_t *x, int64_t n, float *xf)
-{
-    for (int64_t i = 0; i < n; i += 16) {
-        const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(x + i)));
-        _mm512_storeu_ps(xf + i, _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));
-    }
-}
 #else
 #define HAVE_GROUP_KERNEL 0
 #endif
@@ -188,14 +189,13 @@ int group_gemm_bf16(void *y, int64_t y_bf16, const void *x, int64_t M, int64_t K
 #if HAVE_GROUP_KERNEL
     if (bits != 4 && bits != 8)
         return 2;
-    /* int4: group sums of x [M, K/32]; int8: x in float32 [M, K] (K % 32 == 0: whole vectors) */
-    float *ctx = malloc(sizeof(float) * M * (bits == 4 ? K / GROUP : K));
-    if (ctx == NULL)
-        return 1;
-    if (bits == 4)
-        group_sums(x, M, K, ctx);
-    else
-        widen(x, M * K, ctx);
+    float *xs = NULL; /* int4: the group sums of x [M, K/32] */
+    if (bits == 4) {
+        xs = malloc(sizeof(float) * M * (K / GROUP));
+        if (xs == NULL)
+            return 1;
+        group_sums(x, M, K, xs);
+    }
     const int64_t level_bytes = bits == 4 ? K / 2 : K;
     const int64_t scales = bits == 4 ? 2 * K / GROUP : K / GROUP; /* (and minimums) a channel */
 #pragma omp parallel for schedule(static) num_threads(num_threads)
@@ -205,7 +205,7 @@ int group_gemm_bf16(void *y, int64_t y_bf16, const void *x, int64_t M, int64_t K
         float out[ROWS * LANES] __attribute__((aligned(64)));
         for (int64_t m0 = 0; m0 < M; m0 += ROWS) {
             const int64_t rows = M - m0 < ROWS ? M - m0 : ROWS;
-            channel_rows((int)bits, x, K, q, s, ctx, m0, rows, out);
+            channel_rows((int)bits, x, K, q, s, xs, m0, rows, out);
             for (int64_t r = 0; r < rows; r++) {
                 const __m512 v = _mm512_load_ps(out + r * LANES);
                 const int64_t at = (m0 + r) * N + b * LANES;
@@ -217,7 +217,7 @@ int group_gemm_bf16(void *y, int64_t y_bf16, const void *x, int64_t M, int64_t K
             }
         }
     }
-    free(ctx);
+    free(xs);
     return 0;
 #else
     (void)y, (void)y_bf16, (void)x, (void)M, (void)K, (void)qw, (void)sc, (void)N, (void)bits,
