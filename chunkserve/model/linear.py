@@ -7,8 +7,9 @@ int8, quantized once at load: in groups of 32 inputs with a float16 scale each t
 kernel on AVX512_BF16 CPUs (group_gemm.py), else with one scale per output channel through
 PyTorch's kernel (what follows describes that one; the C kernel's trade-offs are the same).
 A decode step is bound by streaming the weights from memory, and int8 weights are a quarter of
-float32's bytes and half of bfloat16's; PyTorch's CPU kernel for them (`_weight_int8pack_mm`) takes bfloat16 activations
-and accumulates in float32 (given float32 activations it is 8x slower: they are always cast).
+float32's bytes and half of bfloat16's; PyTorch's CPU kernel for them (`_weight_int8pack_mm`)
+takes bfloat16 activations and accumulates in float32 (given float32 activations it is 8x
+slower: they are always cast).
 It pays for few rows only: past `INT8_KERNEL_MAX_ROWS` (a prefill chunk) the GEMM is
 compute-bound, the int8 kernel is slower than a dense GEMM, and dequantizing the weight on
 every call costs more than the GEMM itself (measured: 2.5 ms vs 1.6 ms for 64 rows of a
