@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 from collections.abc import Callable
 
 import torch
@@ -27,20 +25,11 @@ from chunkserve.model.linear import Int8Linear
 from chunkserve.model.linear_int4 import Int4Linear
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from engine_speed import median_time  # noqa: E402
 from host import cpu_model  # noqa: E402
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 LAYERS = 30
-
-
-def median_ms(fn: Callable[[], object], repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
 
 
 def on_pytorch_kernels(make: Callable[[], object]) -> object:
@@ -83,7 +72,7 @@ def main() -> None:
         inputs = [xs[k] for _ in range(LAYERS) for _, k in SHAPES]
         cells = []
         for gemms in formats.values():
-            ms = median_ms(lambda g=gemms: [f(x) for f, x in zip(g, inputs)], args.repeats)
+            ms = 1e3 * median_time(lambda g=gemms: [f(x) for f, x in zip(g, inputs)], args.repeats)
             cells.append(f"{ms:.2f}")
         print(f"| {b} | " + " | ".join(cells) + " |", flush=True)
 

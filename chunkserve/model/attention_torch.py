@@ -8,6 +8,7 @@ layer; the triton backend is the GPU path.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -53,20 +54,26 @@ class TorchPagedAttention:
         self.scale = head_dim**-0.5
 
     def build_metadata(self, batch: BatchTensors) -> TorchMetadata:
+        return TorchMetadata(batch.slot_mapping,
+                             self._spans(batch, range(len(batch.layout.seq_lens))))
+
+    @staticmethod
+    def _spans(batch: BatchTensors, rows: Iterable[int]) -> list[SeqSpan]:
+        """The SeqSpans of the step's requests `rows` (what the SDPA loop attends)."""
         layout = batch.layout
         device = batch.slot_mapping.device
         qsl = layout.query_start_loc.tolist()
         seq_lens = layout.seq_lens.tolist()
         seqs = []
-        for i, ctx in enumerate(seq_lens):
-            q_start, q_len = qsl[i], qsl[i + 1] - qsl[i]
+        for i in rows:
+            ctx, q_start, q_len = seq_lens[i], qsl[i], qsl[i + 1] - qsl[i]
             start = ctx - q_len
             # A chunk after a prefix needs a mask only off the CPU (see _prefix_then_causal).
             masked = q_len > 1 and start > 0 and device.type != "cpu"
             mask = causal_mask(start, q_len, device) if masked else None
             runs = block_runs(layout.block_table[i], -(-ctx // layout.block_size))
             seqs.append(SeqSpan(q_start, q_len, ctx, runs, mask))
-        return TorchMetadata(batch.slot_mapping, seqs)
+        return seqs
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, meta: TorchMetadata) -> None:

@@ -29,6 +29,7 @@ from chunkserve.model import group_gemm
 from chunkserve.model.dense_gemm import DenseWeight
 from chunkserve.model.group_gemm import GROUP
 from chunkserve.model.linear_int4 import Int4Linear, exact_int4
+from chunkserve.model.quant_linear import QuantizedLinear
 
 # Rows (tokens) up to which PyTorch's int8 kernel beats a GEMM on the dequantized (packed)
 # weight: measured over 30 layers of SmolLM2's shapes from DRAM, int8 9.8 ms vs bf16 10.6 at 8
@@ -90,36 +91,25 @@ def quantize_int8_groups(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return levels.to(torch.int8).reshape(n, k), scales
 
 
-class Int8Linear:
+class Int8Linear(QuantizedLinear):
     """`--quantization int8`. On AVX512_BF16 CPUs: int8 levels in groups of 32 inputs, each with a
     float16 scale (GGUF's Q8_0), through the C group GEMM (group_gemm.py): both finer and faster
     than one scale per channel. Elsewhere: one scale per channel through PyTorch's kernel."""
 
     def __init__(self, weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> None:
-        """`dtype`: the activations' (the model's compute dtype), and the dense copy's."""
         w = weight.float()
-        self.dtype = dtype
         fn = group_gemm.available() if w.shape[1] % GROUP == 0 else None
         levels, scales = quantize_int8_groups(w) if fn is not None else (None, None)
+        kernel: TorchInt8 | group_gemm.GroupGemm
         if levels is not None and group_gemm.fits_float16(scales):
-            self.kernel: TorchInt8 | group_gemm.GroupGemm = group_gemm.GroupGemm.int8(
-                fn, levels, scales, C_KERNEL_MAX_ROWS)
+            kernel = group_gemm.GroupGemm.int8(fn, levels, scales, C_KERNEL_MAX_ROWS)
         else:
-            self.kernel = TorchInt8(w)
-        self.dense = DenseWeight(self.dequantized().to(dtype))  # what prefill rows multiply by
-        self.shape = tuple(weight.shape)  # type: ignore[assignment]
-        # What a decode step reads; prefill chunks read `dense` (not counted: compute-bound).
-        self.weight_bytes = self.kernel.weight_bytes
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= self.kernel.max_rows:
-            y = self.kernel(x)
-            return y if y.dtype == self.dtype else y.to(self.dtype)
-        return self.dense(x)
+            kernel = TorchInt8(w)
+        super().__init__(kernel, kernel.dequantized(), dtype)
 
     def dequantized(self) -> torch.Tensor:
         """The weights as the kernel holds them, in float32."""
-        return self.kernel.dequantized()
+        return self.kernel.dequantized()  # type: ignore[attr-defined]
 
 
 def make_linear(weight: torch.Tensor, quantization: str | None,

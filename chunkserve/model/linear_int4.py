@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 
 from chunkserve.model import group_gemm
-from chunkserve.model.dense_gemm import DenseWeight
 from chunkserve.model.group_gemm import GROUP
+from chunkserve.model.quant_linear import QuantizedLinear
 
 LEVELS = 15
 # Rows up to which the C kernel (group_gemm.py) beats the packed dense GEMM
@@ -75,32 +75,20 @@ class TorchInt4:
                                                  GROUP, self.scales_zeros)
 
 
-class Int4Linear:
+class Int4Linear(QuantizedLinear):
     def __init__(self, weight: torch.Tensor, dtype: torch.dtype = torch.float32,
                  quantized: Quantized | None = None) -> None:
         """`dtype`: the activations' (the model's compute dtype), and the dense copy's.
         `quantized`: weight's quantize_int4 when the caller has it already (exact_int4)."""
-        n, k = weight.shape
-        if k % GROUP:
-            raise ValueError(f"int4 needs in_features divisible by {GROUP}, got {k}")
+        if weight.shape[1] % GROUP:
+            raise ValueError(f"int4 needs in_features divisible by {GROUP}, got {weight.shape[1]}")
         levels, scale, low = quantized or quantize_int4(weight.float())
-        self.dtype = dtype
         fn = group_gemm.available()
-        self.kernel: TorchInt4 | group_gemm.GroupGemm = (
-            group_gemm.GroupGemm.int4(fn, levels, scale, low, C_KERNEL_MAX_ROWS)
-            if fn is not None and group_gemm.fits_float16(scale, low)
-            else TorchInt4(levels, scale, low))
-        # Prefill rows multiply the same weights (the C kernel's float16 scales: exact for a
-        # GGUF's blocks, and what its decode rows use).
-        dense = (self.kernel.dequantized() if isinstance(self.kernel, group_gemm.GroupGemm)
-                 else dequantize_int4(levels, scale, low))
-        self.dense = DenseWeight(dense.to(dtype))
-        self.shape = (n, k)
-        # What a decode step reads: 4 bits a weight, two 16-bit values a group.
-        self.weight_bytes = self.kernel.weight_bytes
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= self.kernel.max_rows:
-            y = self.kernel(x)
-            return y if y.dtype == self.dtype else y.to(self.dtype)
-        return self.dense(x)
+        if fn is not None and group_gemm.fits_float16(scale, low):
+            kernel = group_gemm.GroupGemm.int4(fn, levels, scale, low, C_KERNEL_MAX_ROWS)
+            # Prefill rows multiply the same weights (its float16 scales: exact for a GGUF's
+            # blocks, and what its decode rows use).
+            super().__init__(kernel, kernel.dequantized(), dtype)
+        else:
+            super().__init__(TorchInt4(levels, scale, low), dequantize_int4(levels, scale, low),
+                             dtype)

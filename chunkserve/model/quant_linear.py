@@ -1,0 +1,37 @@
+"""What every weight-only quantized linear on the CPU shares (int8: linear.py, int4:
+linear_int4.py): decode rows, up to the kernel's `max_rows`, multiply the quantized weights
+through a kernel that streams few bytes; more rows (a prefill chunk) are compute-bound, where
+the kernels lose to a dense GEMM, so they multiply a dense copy in the compute dtype."""
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from chunkserve.model.dense_gemm import DenseWeight
+
+
+class QuantKernel(Protocol):
+    max_rows: int  # rows up to which it beats the dense GEMM
+    weight_bytes: int  # what a pass over the quantized weights reads
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        ...
+
+
+class QuantizedLinear:
+    def __init__(self, kernel: QuantKernel, dense: torch.Tensor, dtype: torch.dtype) -> None:
+        """`dense`: the weights as the kernel holds them (float32); `dtype`: the activations'
+        (the model's compute dtype), and the dense copy's."""
+        self.kernel = kernel
+        self.dtype = dtype
+        self.dense = DenseWeight(dense.to(dtype))
+        self.shape: tuple[int, int] = tuple(dense.shape)  # type: ignore[assignment]
+        # What a decode step reads; prefill chunks read `dense` (not counted: compute-bound).
+        self.weight_bytes = kernel.weight_bytes
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= self.kernel.max_rows:
+            y = self.kernel(x)
+            return y if y.dtype == self.dtype else y.to(self.dtype)
+        return self.dense(x)
