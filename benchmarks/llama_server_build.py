@@ -1,8 +1,10 @@
-"""Builds llama.cpp's `llama-server` once into a cache folder, for the side-by-side benchmark.
+"""Builds llama.cpp's `llama-server` (or another of its tools) once into a cache folder, for the
+side-by-side benchmarks.
 
 The sources are the llama.cpp tree vendored in the `llama-cpp-python` sdist on PyPI (the only
 registry this project may reach), built with `-DGGML_NATIVE=ON` for this CPU. Nothing of it is
-committed; the binary lands in `<cache>/llama-server` and later runs reuse it.
+committed; a binary lands in `<cache>/<target>` and later runs reuse it (and its build folder:
+a second target, e.g. `llama-batched-bench` for decode_scaling.py, then takes seconds).
 
     .venv/bin/python benchmarks/llama_server_build.py [--cache-dir DIR]    # ~15 min on 2 cores
 """
@@ -22,8 +24,8 @@ CMAKE_FLAGS = ["-DGGML_NATIVE=ON", "-DLLAMA_BUILD_SERVER=ON", "-DBUILD_SHARED_LI
                "-DLLAMA_CURL=OFF", "-DCMAKE_BUILD_TYPE=Release"]
 
 
-def server_binary(cache_dir: str) -> str:
-    return os.path.join(cache_dir, "llama-server")
+def server_binary(cache_dir: str, target: str = "llama-server") -> str:
+    return os.path.join(cache_dir, target)
 
 
 def _fetch_sources(cache_dir: str) -> str:
@@ -39,20 +41,20 @@ def _fetch_sources(cache_dir: str) -> str:
     return glob.glob(os.path.join(cache_dir, "llama_cpp_python-*", "vendor", "llama.cpp"))[0]
 
 
-def build(cache_dir: str = DEFAULT_CACHE, jobs: int = 2) -> str:
-    """Path of a built llama-server, building it first if the cache has none."""
-    binary = server_binary(cache_dir)
+def build(cache_dir: str = DEFAULT_CACHE, jobs: int = 2, target: str = "llama-server") -> str:
+    """Path of a built llama.cpp tool `target`, building it first if the cache has none."""
+    binary = server_binary(cache_dir, target)
     if os.path.isfile(binary):
         return binary
     if shutil.which("cmake") is None:
-        raise RuntimeError("building llama-server needs cmake and a C++ compiler")
+        raise RuntimeError(f"building {target} needs cmake and a C++ compiler")
     os.makedirs(cache_dir, exist_ok=True)
     src = _fetch_sources(cache_dir)
     build_dir = os.path.join(cache_dir, "build")
     subprocess.run(["cmake", "-S", src, "-B", build_dir, *CMAKE_FLAGS], check=True)
-    subprocess.run(["cmake", "--build", build_dir, "--target", "llama-server", "-j", str(jobs)],
+    subprocess.run(["cmake", "--build", build_dir, "--target", target, "-j", str(jobs)],
                    check=True)
-    shutil.copy(os.path.join(build_dir, "bin", "llama-server"), binary)
+    shutil.copy(os.path.join(build_dir, "bin", target), binary)
     return binary
 
 
@@ -60,8 +62,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--cache-dir", default=DEFAULT_CACHE)
     p.add_argument("--jobs", type=int, default=2)
+    p.add_argument("--target", default="llama-server", help="a llama.cpp CMake target")
     args = p.parse_args()
-    print(build(args.cache_dir, args.jobs))
+    print(build(args.cache_dir, args.jobs, args.target))
     return 0
 
 
