@@ -51,7 +51,7 @@ class Chunk:
         a, (seq_lens, starts, lens) = self.args, self.arrays
         t0 = time.perf_counter()
         for kc, vc, table in self.layers:
-            assert fn(out.data_ptr(), self.q.data_ptr(), kc.data_ptr(), vc.data_ptr(),
+            assert fn(out.data_ptr(), self.q.data_ptr(), kc.data_ptr(), vc.data_ptr(), 1,
                       table.ctypes.data, self.width, seq_lens.ctypes.data, starts.ctypes.data,
                       lens.ctypes.data, 1, self.heads, self.kv_heads, a.head_dim, a.block_size,
                       a.head_dim ** -0.5, torch.get_num_threads()) == 0
@@ -90,7 +90,8 @@ def main() -> None:
     step = Chunk(args)
     times, outs = alternate(args.baseline, step, (args.chunk, step.heads, args.head_dim),
                             args.rounds, source="chunk_attention_bf16.c",
-                            symbol="chunk_attention_bf16", argtypes=cpu_kernel.CHUNK_ARGTYPES)
+                            symbol="chunk_attention_bf16", argtypes=cpu_kernel.CHUNK_ARGTYPES,
+                            kv_kind_at=4)
     print(f"{args.layers} layers x a {args.chunk}-token chunk after {args.prefix}, head size "
           f"{args.head_dim}, blocks of {args.block_size} shuffled")
     ref = step.reference()

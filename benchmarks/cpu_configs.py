@@ -1,7 +1,7 @@
 """Engine steps of several CPU configurations, measured alternately in one process.
 
-Weights format (`--quantization`) and attention backend change a step's time by less than this
-machine's drift between two runs, so every configuration is loaded side by side and each
+Weights format (`--quantization`), attention backend and KV cache dtype (`--kv-cache-dtype`)
+change a step's time by less than this machine's drift between two runs, so every configuration is loaded side by side and each
 measurement round visits them in alternating order; the table gives medians per configuration.
 
     .venv/bin/python benchmarks/cpu_configs.py --batches 1,16,32,64 --context 256
@@ -28,6 +28,12 @@ CONFIGS = {
     "fp32/cpu": dict(dtype="float32", quantization="none", attention_backend="cpu"),
     "bf16/torch": dict(dtype="bfloat16", quantization="none", attention_backend="torch"),
     "bf16/cpu": dict(dtype="bfloat16", quantization="none", attention_backend="cpu"),
+    # The defaults (`make serve`), and with an fp8 KV cache.
+    "auto/cpu": dict(dtype="auto", quantization="auto", attention_backend="cpu"),
+    "auto/cpu/fp8": dict(dtype="auto", quantization="auto", attention_backend="cpu",
+                         kv_cache_dtype="fp8"),
+    "auto/cpu/fp8_e5m2": dict(dtype="auto", quantization="auto", attention_backend="cpu",
+                              kv_cache_dtype="fp8_e5m2"),
 }
 
 
@@ -79,10 +85,13 @@ def main() -> None:
     print(f"CPU: {info['model']}, {info['cores']} cores, {' '.join(info['flags'])}", flush=True)
     engines = {}
     for name in args.configs.split(","):
-        loaded = load_model("smollm2-135m", max_model_len=args.context + 1024, **CONFIGS[name])
+        config = dict(CONFIGS[name])
+        kv_cache_dtype = config.pop("kv_cache_dtype", "auto")  # the engine's, not the model's
+        loaded = load_model("smollm2-135m", max_model_len=args.context + 1024, **config)
         # No prefix caching: the prefill prompts of one round share their first tokens.
         engines[name] = LLMEngine.from_kwargs(loaded=loaded, max_num_batched_tokens=2048,
-                                              num_kv_blocks=8192, enable_prefix_caching=False)
+                                              num_kv_blocks=8192, enable_prefix_caching=False,
+                                              kv_cache_dtype=kv_cache_dtype)
     print("| step (ms) | " + " | ".join(engines) + " |", flush=True)
     for n in (128, 512):
         row = rounds(engines, 5, lambda e, r: prefill(e, r, n))

@@ -6,8 +6,9 @@ taken from git) and called directly, alternately, on a step of `--layers` layers
 own caches: B decodes of L context tokens in blocks of `--block-size` scattered over the pool
 (`--layout shuffled`, a pool after some serving) or request by request (`--layout sequential`,
 what a benchmark that prefills first gets). SmolLM2's heads (9 query, 3 KV, head size 64),
-bfloat16. Prints ms per step (median), the K/V read rate, and the largest output difference
-between the two kernels.
+bfloat16 (or `--kv-dtype fp8_e4m3|fp8_e5m2` caches, for kernels that read them). Prints ms
+per step (median), the K/V read rate, and the largest output difference between the two
+kernels.
 
     .venv/bin/python benchmarks/decode_kernel_ab.py --baseline HEAD [--batch 64 --context 512]
 """
@@ -21,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -36,19 +38,32 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KERNEL_DIR = "chunkserve/model/cpu_kernels"
 
 
+KV_DTYPES = {"bfloat16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn,
+             "fp8_e5m2": torch.float8_e5m2}
+
+
 def compile_kernel(source_dir: str, out_dir: str, source: str = "paged_decode.c",
-                   symbol: str = "paged_decode_attention",
-                   argtypes: list | None = None) -> ctypes._CFuncPtr:  # type: ignore[name-defined]
-    """One kernel source of `source_dir` compiled alone as the engine compiles it, and its
-    entry point (chunk_kernel_ab.py passes the chunk kernel's)."""
+                   symbol: str = "paged_decode_attention", argtypes: list | None = None,
+                   kv_kind_at: int = 5) -> Callable[..., int]:
+    """One kernel source of `source_dir` compiled as the engine compiles it (with storage.c,
+    where that tree has it), and its entry point (chunk_kernel_ab.py passes the chunk
+    kernel's). The caller always passes the cache's storage kind as argument `kv_kind_at`;
+    kernels from before fp8 caches take no such argument, and are called without it."""
     so = os.path.join(out_dir, source.replace(".c", ".so"))
-    error = cpu_kernel.compile_shared("cc", [os.path.join(source_dir, source)], so)
+    sources = [os.path.join(source_dir, n) for n in (source, "storage.c")
+               if os.path.exists(os.path.join(source_dir, n))]
+    error = cpu_kernel.compile_shared("cc", sources, so)
     if error:
         sys.exit(error)
+    with open(sources[0]) as f:
+        takes_kind = "kv_kind" in f.read()
     fn = getattr(ctypes.CDLL(so), symbol)
-    fn.argtypes = argtypes or cpu_kernel.ARGTYPES
+    argtypes = list(argtypes or cpu_kernel.ARGTYPES)
+    fn.argtypes = argtypes if takes_kind else argtypes[:kv_kind_at] + argtypes[kv_kind_at + 1:]
     fn.restype = ctypes.c_int
-    return fn
+    if takes_kind:
+        return fn  # type: ignore[no-any-return]
+    return lambda *args: fn(*args[:kv_kind_at], *args[kv_kind_at + 1:])
 
 
 def baseline_sources(rev: str, out_dir: str) -> str:
@@ -91,19 +106,22 @@ class Step:
         self.width = -(-args.context // bs)
         rng = np.random.default_rng(0)
         self.layers = []
+        self.kv_dtype = KV_DTYPES[args.kv_dtype]
         for _ in range(args.layers):
             blocks = b * self.width
             order = rng.permutation(blocks) if args.layout == "shuffled" else np.arange(blocks)
-            kc, vc = (torch.randn(blocks, bs, KV_HEADS, HEAD_DIM).bfloat16() for _ in range(2))
+            kc, vc = (torch.randn(blocks, bs, KV_HEADS, HEAD_DIM).to(self.kv_dtype)
+                      for _ in range(2))
             self.layers.append((kc, vc, np.ascontiguousarray(order.reshape(b, self.width))))
         self.q = torch.randn(b, HEADS, HEAD_DIM).bfloat16()
         self.seq_lens = np.full(b, args.context, np.int64)
         self.rows = np.arange(b, dtype=np.int64)
 
-    def run(self, fn: ctypes._CFuncPtr, out: torch.Tensor) -> float:  # type: ignore[name-defined]
+    def run(self, fn: Callable[..., int], out: torch.Tensor) -> float:
+        kind = cpu_kernel.STORAGE_KINDS[self.kv_dtype]
         t0 = time.perf_counter()
         for kc, vc, table in self.layers:
-            fn(out.data_ptr(), self.q.data_ptr(), kc.data_ptr(), vc.data_ptr(), 1,
+            fn(out.data_ptr(), self.q.data_ptr(), kc.data_ptr(), vc.data_ptr(), 1, kind,
                table.ctypes.data, self.width, self.seq_lens.ctypes.data, self.rows.ctypes.data,
                self.args.batch, HEADS, KV_HEADS, HEAD_DIM, self.args.block_size,
                HEAD_DIM ** -0.5, torch.get_num_threads())
@@ -111,7 +129,8 @@ class Step:
 
     def kv_bytes(self) -> int:
         a = self.args
-        return 2 * a.batch * a.context * KV_HEADS * HEAD_DIM * 2 * a.layers
+        elem = torch.empty((), dtype=self.kv_dtype).element_size()
+        return 2 * a.batch * a.context * KV_HEADS * HEAD_DIM * elem * a.layers
 
 
 def main() -> None:
@@ -122,9 +141,16 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--layout", choices=("shuffled", "sequential"), default="shuffled")
+    p.add_argument("--kv-dtype", choices=tuple(KV_DTYPES), default="bfloat16",
+                   help="the caches' (fp8: both kernels must read it)")
     p.add_argument("--rounds", type=int, default=15)
     args = p.parse_args()
     print(f"{cpu_model()} | torch {torch.__version__} | {torch.get_num_threads()} threads")
+    if args.kv_dtype != "bfloat16":
+        source = subprocess.run(["git", "show", f"{args.baseline}:{KERNEL_DIR}/paged_decode.c"],
+                                cwd=REPO, check=True, capture_output=True, text=True).stdout
+        if "kv_kind" not in source:
+            sys.exit(f"{args.baseline}'s kernel reads bfloat16 caches only: --kv-dtype bfloat16")
     step = Step(args)
     times, outs = alternate(args.baseline, step, (args.batch, HEADS, HEAD_DIM), args.rounds)
     gb = step.kv_bytes() / 1e9

@@ -138,6 +138,13 @@ def test_exposed_metric_family_names_exact() -> None:
     assert "vllm:iteration_tokens_total_bucket" in body.decode()
 
 
+def test_cache_config_info_carries_vllms_labels() -> None:
+    body, _ = ServerMetrics(MODEL, 2048, num_kv_blocks=512, block_size=16,
+                            cache_dtype="fp8").render()
+    assert ('vllm:cache_config_info{block_size="16",cache_dtype="fp8",num_gpu_blocks="512"} 1.0'
+            in body.decode())
+
+
 def test_request_latencies_match_hand_computed() -> None:
     sm = ServerMetrics(MODEL, max_model_len=2048)
     run_scenario(sm)

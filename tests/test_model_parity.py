@@ -12,11 +12,14 @@ from chunkserve.model.factory import LoadedModel, load_model
 from chunkserve.model.llama import LlamaModel
 
 
-def full_logits(model: LlamaModel, ids: list[int], chunk: int | None = None) -> torch.Tensor:
-    """Logits at every position, running the prompt through the paged cache in chunks."""
+def full_logits(model: LlamaModel, ids: list[int], chunk: int | None = None,
+                kv_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Logits at every position, running the prompt through the paged cache in chunks (a KV
+    cache of `kv_dtype`; None: the model's dtype)."""
     block_size = 16
     n = len(ids)
-    runner = ModelRunner(model, num_kv_blocks=-(-n // block_size), block_size=block_size)
+    runner = ModelRunner(model, num_kv_blocks=-(-n // block_size), block_size=block_size,
+                         kv_dtype=kv_dtype)
     table = np.arange(-(-n // block_size), dtype=np.int64)
     chunk = chunk or n
     parts = []

@@ -133,6 +133,32 @@ def test_kv_capacity_llama3_8b_on_a100_80gb(a100_8b):
     assert a100_8b.kv_cache_blocks(16) == int(free // (kv_per_token * 16))
 
 
+def test_fp8_kv_cache_doubles_capacity_and_halves_decode_reads(tmp_path):
+    """`sim --kv-cache-dtype fp8` on a preset: one byte a K/V value. The pool holds twice the
+    tokens (the weights take the same memory) and a decode-only step's attention, bound by
+    reading K/V, takes half the time; a calibrated profile refuses it."""
+    import argparse
+
+    from chunkserve.sim.cli import build_cost_model
+
+    def build(kv: str, hardware: str = "a100-80gb"):  # type: ignore[no-untyped-def]
+        return build_cost_model(argparse.Namespace(
+            hardware=hardware, model="llama-3-8b", tensor_parallel_size=1,
+            attention_backend="fused", max_model_len=None, num_kv_blocks=None, block_size=16,
+            kv_cache_dtype=kv))
+
+    (bf16, bf16_blocks, _), (fp8, fp8_blocks, _) = build("auto"), build("fp8")
+    assert fp8.model.kv_bytes_per_token * 2 == bf16.model.kv_bytes_per_token
+    assert fp8_blocks == 2 * bf16_blocks or fp8_blocks == 2 * bf16_blocks + 1
+    decodes = StepShape(decode_contexts=[2048] * 64, num_sampled=64)
+    assert fp8.breakdown(decodes)["attention"] == pytest.approx(
+        bf16.breakdown(decodes)["attention"] / 2)
+    profile = tmp_path / "profile.json"
+    profile.write_text("{}")
+    with pytest.raises(ValueError, match="applies to hardware presets"):
+        build("fp8", str(profile))
+
+
 def test_tensor_parallel_shards_and_communicates():
     hw, model = get_hardware("h100-sxm"), get_model("llama-3-70b")
     with pytest.raises(ValueError, match="does not fit"):

@@ -10,6 +10,7 @@ from chunkserve.config import (
     DEFAULT_MIN_CHUNK_TOKENS,
     DEVICES,
     DTYPES,
+    KV_CACHE_DTYPES,
     LOAD_FORMATS,
     PREEMPTION_MODES,
     QUANTIZATIONS,
@@ -60,6 +61,10 @@ def add_engine_args(p: argparse.ArgumentParser, model_flag: bool = True) -> None
     c.add_argument("--swap-space", type=float, default=4.0, help="GiB of host swap (swap mode)")
     c.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV of full blocks shared with earlier prompts (vLLM V1: on)")
+    c.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                   help="auto: the model's dtype; fp8 (= fp8_e4m3) or fp8_e5m2: one byte a "
+                        "value, unscaled (twice the tokens, half the attention reads; less "
+                        "accurate; cpu and torch attention backends)")
     p.add_argument("--trace-file", default=None, help="write one JSON line per engine step")
 
 
@@ -88,8 +93,8 @@ ENGINE_KEYS = (
     "enforce_eager", "quantization", "enable_chunked_prefill",
     "max_num_batched_tokens", "max_num_seqs", "scheduler", "long_prefill_token_threshold",
     "scheduling_policy", "block_size", "kv_cache_memory", "num_kv_blocks", "preemption_mode",
-    "swap_space", "trace_file", "enable_prefix_caching", "chunk_policy", "target_itl_ms",
-    "min_chunk_tokens",
+    "swap_space", "trace_file", "enable_prefix_caching", "kv_cache_dtype", "chunk_policy",
+    "target_itl_ms", "min_chunk_tokens",
     # Not a flag: the adaptive policy's step-time model, which the command line builds from
     # --cost-model (cli.py; the engine cannot import the simulator's cost models).
     "step_time",

@@ -13,8 +13,24 @@ from chunkserve.model.batch import BatchLayout, DeviceStager
 from chunkserve.model.llama import LlamaModel
 
 
-def kv_bytes_per_block(model: LlamaModel, block_size: int) -> int:
-    elem = torch.empty((), dtype=model.kv_dtype).element_size()
+_FP8 = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+        "fp8_e5m2": torch.float8_e5m2}
+
+
+def kv_cache_dtype(model: LlamaModel, name: str = "auto") -> torch.dtype:
+    """The KV cache's torch dtype for `--kv-cache-dtype name`; a ValueError where the model's
+    attention backend cannot read it."""
+    if name == "auto":
+        return model.kv_dtype
+    if not model.attn.supports_fp8_kv_cache:
+        raise ValueError(f"--kv-cache-dtype {name} is not supported by the {model.attn.name!r} "
+                         "attention backend; use --attention-backend cpu or torch, or "
+                         "--kv-cache-dtype auto.")
+    return _FP8[name]
+
+
+def kv_bytes_per_block(model: LlamaModel, block_size: int, dtype: torch.dtype | None = None) -> int:
+    elem = torch.empty((), dtype=dtype or model.kv_dtype).element_size()
     per_token = 2 * len(model.layers) * model.num_kv_heads * model.head_dim * elem
     return per_token * block_size
 
@@ -35,21 +51,24 @@ class ModelRunner:
         enforce_eager: bool = False,
         max_num_seqs: int = 256,
         max_model_len: int | None = None,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
+        """`kv_dtype`: the KV cache's (kv_cache_dtype()); None: the model's."""
         self.model = model
+        self.kv_dtype = kv_dtype or model.kv_dtype
         self.block_size = block_size
         self.num_kv_blocks = num_kv_blocks
         self.num_swap_blocks = num_swap_blocks
         shape = (len(model.layers), 2, num_kv_blocks, block_size, model.num_kv_heads, model.head_dim)
         # torch.empty leaves pages untouched until written: a large pool costs nothing up front.
         self.device = model.device
-        self.kv_cache = torch.empty(shape, dtype=model.kv_dtype, device=self.device)
+        self.kv_cache = torch.empty(shape, dtype=self.kv_dtype, device=self.device)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(shape[0])]
         swap_shape = (shape[0], 2, num_swap_blocks) + shape[3:]
         # The swap pool is host memory whatever the device (pinned on CUDA for fast copies).
         pin = self.device.type == "cuda"
         self.swap_cache = (
-            torch.empty(swap_shape, dtype=model.kv_dtype, pin_memory=pin)
+            torch.empty(swap_shape, dtype=self.kv_dtype, pin_memory=pin)
             if num_swap_blocks else None
         )
         self.sampler = Sampler()
@@ -61,7 +80,8 @@ class ModelRunner:
     def from_config(cls, model: LlamaModel, config: EngineConfig) -> ModelRunner:
         """Sizes the KV pool (and the swap pool) from the cache config and the model's shape."""
         cc = config.cache_config
-        block_bytes = kv_bytes_per_block(model, cc.block_size)
+        kv_dtype = kv_cache_dtype(model, cc.kv_cache_dtype)
+        block_bytes = kv_bytes_per_block(model, cc.block_size, kv_dtype)
         kv_gib = cc.kv_cache_memory if cc.kv_cache_memory is not None else DEFAULT_KV_CACHE_GIB
         num_blocks = cc.num_kv_blocks or int(kv_gib * GiB // block_bytes)
         num_swap = int(cc.swap_space * GiB // block_bytes) if cc.preemption_mode == "swap" else 0
@@ -70,6 +90,7 @@ class ModelRunner:
             enforce_eager=config.model_config.enforce_eager,
             max_num_seqs=config.scheduler_config.max_num_seqs,
             max_model_len=config.max_model_len,
+            kv_dtype=kv_dtype,
         )
 
     def commit_kv_memory(self) -> None:

@@ -20,11 +20,19 @@ import torch
 from chunkserve.model.batch import BatchTensors
 
 
+# The KV cache dtypes of `--kv-cache-dtype fp8*` (vLLM's names: fp8 = fp8_e4m3). Values are
+# stored as they are, without a scale: vLLM's k_scale = v_scale = 1.0, what it uses when a
+# checkpoint brings no calibrated scales.
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
 class AttentionBackend(Protocol):
     name: str
     # Whether forward() reads only fixed-shape device tensors (no host values per request), so
     # a decode step can be captured in a CUDA graph and replayed with new inputs.
     supports_cuda_graphs: bool
+    # Whether it reads and writes KV caches in the FP8_DTYPES (the model's dtype it always does).
+    supports_fp8_kv_cache: bool
 
     def build_metadata(self, batch: BatchTensors) -> Any:
         """Once per step: whatever forward() needs beyond the batch tensors."""

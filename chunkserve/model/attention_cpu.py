@@ -8,7 +8,8 @@ request's blocks are not consecutive; at 16 decodes that is most of the step. Pr
 go to `cpu_kernels/chunk_attention_bf16.c` (flash attention in AVX512_BF16, also in place) when
 the cache is bfloat16 and the CPU has those instructions: 2-3x PyTorch's fused SDPA there.
 Elsewhere (float32, AVX2 CPUs) chunks keep the torch backend's SDPA, one call per chunk
-(docs/performance.md has the measurements).
+(docs/performance.md has the measurements). Both kernels also read fp8 caches
+(`--kv-cache-dtype fp8`), widening each value to bfloat16 or float32 exactly as they read it.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import numpy as np
 import torch
 
 from chunkserve.model import cpu_kernel
+from chunkserve.model.attention import FP8_DTYPES
 from chunkserve.model.attention_torch import TorchMetadata, TorchPagedAttention
 from chunkserve.model.batch import BatchTensors
 
@@ -92,7 +94,8 @@ class CpuPagedAttention(TorchPagedAttention):
         if meta.max_slot >= k_cache.shape[0] * k_cache.shape[1]:
             raise IndexError(f"slot {meta.max_slot} is outside the KV cache "
                              f"({k_cache.shape[0]} blocks of {k_cache.shape[1]})")
-        k, v = k.contiguous(), v.contiguous()
+        # An fp8 cache takes PyTorch's rounding (to nearest, saturating at the format's largest).
+        k, v = k.to(k_cache.dtype).contiguous(), v.to(v_cache.dtype).contiguous()
         self._write_kv(k_cache.data_ptr(), v_cache.data_ptr(), k.data_ptr(), v.data_ptr(),
                        meta.slots_ptr, len(meta.slots), k[0:1].nbytes)
 
@@ -101,10 +104,11 @@ class CpuPagedAttention(TorchPagedAttention):
         self._write(k, v, k_cache, v_cache, meta)
         q = q.contiguous()
         out = torch.empty(q.shape[0], self.num_heads * self.head_dim, dtype=q.dtype)
+        kv_kind = cpu_kernel.STORAGE_KINDS[k_cache.dtype]
         if meta.chunk_args and q.dtype == torch.bfloat16:
             assert self._chunk_kernel is not None
             failed = self._chunk_kernel(
-                out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), kv_kind,
                 *meta.chunk_args, self.num_heads, self.num_kv_heads, self.head_dim,
                 k_cache.shape[1], self.scale, torch.get_num_threads())
             if failed:
@@ -114,7 +118,7 @@ class CpuPagedAttention(TorchPagedAttention):
         if meta.decode_args:
             failed = self._kernel(
                 out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-                int(q.dtype == torch.bfloat16), *meta.decode_args, self.num_heads,
+                int(q.dtype == torch.bfloat16), kv_kind, *meta.decode_args, self.num_heads,
                 self.num_kv_heads, self.head_dim, k_cache.shape[1], self.scale,
                 torch.get_num_threads())
             if failed:
@@ -123,13 +127,16 @@ class CpuPagedAttention(TorchPagedAttention):
 
     @staticmethod
     def _check_dtypes(*tensors: torch.Tensor) -> None:
-        """The C calls take all float32 or all bfloat16, contiguous (the caches always are).
-        Once per layer: written without generators, it costs well under a microsecond."""
-        dtype = tensors[0].dtype
-        ok = dtype is torch.float32 or dtype is torch.bfloat16
-        for t in tensors:
+        """The C calls take q, K/V and output all float32 or all bfloat16, and the two caches
+        (last) that dtype too or both fp8; contiguous (the caches always are). Once per layer:
+        written without generators, it costs well under a microsecond."""
+        dtype, k_cache, v_cache = tensors[0].dtype, tensors[-2], tensors[-1]
+        ok = (dtype is torch.float32 or dtype is torch.bfloat16) and k_cache.dtype is v_cache.dtype
+        for t in tensors[:-2]:
             ok = ok and t.dtype is dtype
+        ok = ok and (k_cache.dtype is dtype or k_cache.dtype in FP8_DTYPES)
         if not ok:
-            raise TypeError(f"the CPU attention kernels take q, K/V, output and KV cache all "
-                            f"float32 or all bfloat16, got {[str(t.dtype) for t in tensors]}")
-        assert tensors[-1].is_contiguous() and tensors[-2].is_contiguous()
+            raise TypeError(f"the CPU attention kernels take q, K/V and output all float32 or all "
+                            f"bfloat16, and a KV cache of that dtype or fp8, got "
+                            f"{[str(t.dtype) for t in tensors]}")
+        assert k_cache.is_contiguous() and v_cache.is_contiguous()

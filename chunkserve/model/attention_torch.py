@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from chunkserve.model.attention import block_runs, causal_mask
+from chunkserve.model.attention import FP8_DTYPES, block_runs, causal_mask
 from chunkserve.model.batch import BatchTensors
 
 
@@ -45,6 +45,7 @@ _CUDA_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBac
 class TorchPagedAttention:
     name = "torch"
     supports_cuda_graphs = False  # the per-request loop reads host values
+    supports_fp8_kv_cache = True  # K/V are widened to the query's dtype as they are read
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         self.num_heads = num_heads
@@ -77,10 +78,14 @@ class TorchPagedAttention:
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, meta: TorchMetadata) -> None:
-        """The step's new K/V rows into their slots of the paged cache."""
+        """The step's new K/V rows into their slots of the paged cache (rounded to an fp8
+        cache's format by PyTorch's conversion)."""
         num_blocks, block_size, kvh, d = k_cache.shape
-        k_cache.view(num_blocks * block_size, kvh, d).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(num_blocks * block_size, kvh, d).index_copy_(0, meta.slot_mapping, v)
+        for new, cache in ((k, k_cache), (v, v_cache)):
+            new, flat = new.to(cache.dtype), cache.view(num_blocks * block_size, kvh, d)
+            if cache.dtype in FP8_DTYPES:  # index_copy_ has no fp8 kernel on the CPU: as bytes
+                new, flat = new.view(torch.uint8), flat.view(torch.uint8)
+            flat.index_copy_(0, meta.slot_mapping, new)
 
     def forward(self, q, k, v, k_cache, v_cache, meta):  # type: ignore[no-untyped-def]
         self.write_kv(k, v, k_cache, v_cache, meta)
@@ -98,8 +103,8 @@ class TorchPagedAttention:
         kernels = sdpa_kernel(_CUDA_SDPA) if q.is_cuda else contextlib.nullcontext()
         with kernels:
             for seq in seqs:
-                keys = _read(flat_k, seq, block_size)  # [ctx, kvh, d]
-                values = _read(flat_v, seq, block_size)
+                keys = _read(flat_k, seq, block_size).to(q.dtype)  # [ctx, kvh, d]
+                values = _read(flat_v, seq, block_size).to(q.dtype)  # (copies only from fp8)
                 qs = q[seq.q_start : seq.q_start + seq.q_len]
                 if seq.q_len == 1:
                     o = self._decode(qs, keys, values)

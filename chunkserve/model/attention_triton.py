@@ -10,6 +10,7 @@ from chunkserve.model.triton_kernels import reshape_and_cache, unified_attention
 class TritonPagedAttention:
     name = "triton"
     supports_cuda_graphs = True  # reads only the batch's device tensors
+    supports_fp8_kv_cache = False  # its kernels read K/V in the model dtype only, for now
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         self.num_heads = num_heads

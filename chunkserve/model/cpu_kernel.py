@@ -18,7 +18,7 @@ import subprocess
 import tempfile
 from functools import cache
 
-import torch  # noqa: F401  (first: its libgomp.so.1 is the one the kernel must bind to)
+import torch  # first: its libgomp.so.1 is the one the kernel must bind to
 
 SOURCE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_kernels")
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11"]
@@ -28,15 +28,19 @@ CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11"
 LDFLAGS = ["-shared", "-fopenmp"]
 
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
-# out, q, k_cache, v_cache, bf16, block_table, table_width, seq_lens, rows, num_seqs, heads,
-# kv_heads, head_dim, block_size, scale, num_threads
-ARGTYPES = [_ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64,
-            _f32, _i64]
+# out, q, k_cache, v_cache, bf16, kv_kind, block_table, table_width, seq_lens, rows, num_seqs,
+# heads, kv_heads, head_dim, block_size, scale, num_threads
+ARGTYPES = [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64,
+            _i64, _f32, _i64]
 
-# out, q, k_cache, v_cache, block_table, table_width, seq_lens, q_starts, q_lens, num_seqs, heads,
-# kv_heads, head_dim, block_size, scale, num_threads
-CHUNK_ARGTYPES = [_ptr, _ptr, _ptr, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64,
-                  _i64, _f32, _i64]
+# out, q, k_cache, v_cache, kv_kind, block_table, table_width, seq_lens, q_starts, q_lens,
+# num_seqs, heads, kv_heads, head_dim, block_size, scale, num_threads
+CHUNK_ARGTYPES = [_ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64,
+                  _i64, _i64, _f32, _i64]
+
+# How the kernels are told an array's storage (cpu_kernels/storage.h's KIND_*).
+STORAGE_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2,
+                 torch.float8_e5m2: 3}
 
 
 class KernelBuildError(ValueError):

@@ -50,8 +50,9 @@ def build_app(
     compute: ComputeThread | None = None,
 ) -> FastAPI:
     """`compute`: the thread that built `engine`, where its loop will run (async_engine.py)."""
+    cache = engine.config.cache_config
     metrics = ServerMetrics(served_model_name, engine.max_model_len, engine.num_kv_blocks,
-                            engine.config.cache_config.block_size)
+                            cache.block_size, cache.kv_cache_dtype)
     async_engine = AsyncEngine(engine, metrics, compute)
     serving = Serving(async_engine, served_model_name, max_waiting_requests)
 

@@ -60,7 +60,7 @@ def build_1_2_5_buckets(max_value: int) -> list[int]:
 
 class ServerMetrics:
     def __init__(self, model_name: str, max_model_len: int, num_kv_blocks: int | None = None,
-                 block_size: int | None = None) -> None:
+                 block_size: int | None = None, cache_dtype: str = "auto") -> None:
         self.model_name = model_name
         # A private registry: several servers (or tests) in one process would otherwise collide
         # on the global default registry's duplicate-name check.
@@ -93,8 +93,8 @@ class ServerMetrics:
             # vLLM's info gauge (value 1, facts in labels): with kv_cache_usage_perc it gives
             # the blocks in use, which a usage fraction alone hides on a large pool.
             Gauge("vllm:cache_config_info", "The KV cache's configuration.",
-                  ["block_size", "num_gpu_blocks"], registry=reg,
-                  ).labels(str(block_size), str(num_kv_blocks)).set(1)
+                  ["block_size", "num_gpu_blocks", "cache_dtype"], registry=reg,
+                  ).labels(str(block_size), str(num_kv_blocks), cache_dtype).set(1)
 
         self._preemptions = counter("vllm:num_preemptions", "Cumulative preemptions.").labels(m)
         self._prompt_tokens = counter("vllm:prompt_tokens", "Prefilled prompt tokens.").labels(m)

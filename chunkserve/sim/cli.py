@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shlex
 import sys
@@ -15,6 +16,7 @@ from chunkserve.benchlib.args import (
     workload_lengths,
 )
 from chunkserve.benchlib.report import sweep_and_report
+from chunkserve.config import KV_CACHE_DTYPES
 from chunkserve.benchlib.sweep import SweepPoint
 from chunkserve.benchlib.workloads import BenchRequest, arrival_times
 from chunkserve.sim.cost_model import (
@@ -58,16 +60,24 @@ def add_target_args(p: argparse.ArgumentParser) -> None:
                    help="fused: prefill+decode in one call (mixed-batch penalty); split: two "
                         "calls; pod: POD-Attention-style overlap")
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                   help="fp8*: one byte a K/V value (a preset's KV capacity doubles and its "
+                        "decode attention reads half); auto: the model's dtype")
 
 
 def build_cost_model(args: argparse.Namespace) -> tuple[CostModel, int, int]:
     """(cost model, KV blocks, max_model_len) for --hardware/--model."""
     if os.path.isfile(args.hardware):
+        if args.kv_cache_dtype != "auto":
+            raise ValueError("--kv-cache-dtype applies to hardware presets: a profile was "
+                             "measured with its own engine's KV cache")
         prof = load_profile(args.hardware)
         blocks = args.num_kv_blocks or prof["num_kv_blocks"]
         max_len = args.max_model_len or get_model(prof["model"]).max_position_embeddings
         return LinearCostModel(prof["coefficients"], prof["name"]), blocks, max_len
     hw, model = get_hardware(args.hardware), get_model(args.model)
+    if args.kv_cache_dtype.startswith("fp8"):
+        model = dataclasses.replace(model, kv_dtype_bytes=1)
     cost = RooflineCostModel(hw, model, args.tensor_parallel_size, args.attention_backend)
     blocks = args.num_kv_blocks or cost.kv_cache_blocks(args.block_size)
     return cost, blocks, args.max_model_len or model.max_position_embeddings

@@ -60,7 +60,8 @@ class ModelSpec:
     max_position_embeddings: int = 8192
     tie_word_embeddings: bool = False
     head_dim: int | None = None
-    dtype_bytes: int = 2  # bf16 weights and KV
+    dtype_bytes: int = 2  # bf16 weights (and KV, unless kv_dtype_bytes says otherwise)
+    kv_dtype_bytes: int | None = None  # 1: an fp8 KV cache (--kv-cache-dtype fp8)
 
     @property
     def dim(self) -> int:
@@ -87,7 +88,8 @@ class ModelSpec:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.dim * self.dtype_bytes
+        elem = self.kv_dtype_bytes or self.dtype_bytes
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.dim * elem
 
 
 def _load(file: str) -> dict[str, dict[str, Any]]:
@@ -129,7 +131,7 @@ def get_model(name_or_path: str) -> ModelSpec:
 def _spec_from_hf(name: str, cfg: dict[str, Any], source: str) -> ModelSpec:
     # Only the shape fields: a config.json (or a preset, which also carries what the engine needs
     # to run the model: rope_theta, eps, token ids) has many keys the simulator has no use for.
-    keys = {f.name for f in fields(ModelSpec)} - {"name", "dtype_bytes"}
+    keys = {f.name for f in fields(ModelSpec)} - {"name", "dtype_bytes", "kv_dtype_bytes"}
     try:
         values = {k: cfg[k] for k in keys if k in cfg}
         values.setdefault("num_key_value_heads", cfg["num_attention_heads"])

@@ -21,7 +21,8 @@
  * Tasks go to threads with a dynamic schedule, each chunk's longest (last) tiles first.
  * Against PyTorch's SDPA on a Zen 5: ~4x the attention FLOP rate (docs/performance.md).
  *
- * Layouts (contiguous, bfloat16):
+ * Layouts (contiguous, bfloat16; the caches bfloat16 or fp8, `kv_kind` (storage.h's kinds):
+ * fp8 rows are widened to bfloat16 as they are read, exactly):
  *   q, out       [T, heads, head_dim]; chunk s owns rows q_starts[s] .. + q_lens[s]
  *   k/v_cache    [num_blocks, block_size, kv_heads, head_dim]
  *   block_table  [num_seqs, table_width] int64; seq_lens, q_starts, q_lens [num_seqs] int64
@@ -32,6 +33,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "storage.h"
+
 #define TILE 16 /* query rows of a task = float32 lanes of a vector = keys a score pass holds */
 #define KEYS 32 /* keys per online-softmax step: two score passes */
 
@@ -40,11 +43,13 @@
 #define HAVE_CHUNK_KERNEL 1
 
 typedef struct {
-    const uint16_t *q, *k_cache, *v_cache;
+    const uint16_t *q;
+    const void *k_cache, *v_cache; /* stored as kv_kind */
     uint16_t *out;
     const int64_t *block_table, *seq_lens, *q_starts, *q_lens;
     int64_t table_width, heads, kv_heads, block_size;
     float scale;
+    int kv_kind;
 } Chunks;
 
 /* exp(x) for x <= 0 (the softmax's arguments): 2^(x log2 e) split into 2^n * 2^f, |f| <= 1/2,
@@ -67,26 +72,29 @@ static inline __attribute__((always_inline)) __m512 exp_ps(__m512 x)
 }
 
 /* The keys j0 .. j0+n-1 of a step (the rest, up to KEYS, repeat key j0 and are masked): K rows
- * as stored into kt [KEYS, D]; V rows as pairs of consecutive keys, vp [KEYS/2, D] dwords
- * (V[2k][d], V[2k+1][d]): the layout vdpbf16ps reduces over, two keys per multiply. */
+ * into kt [KEYS, D] bfloat16; V rows as pairs of consecutive keys, vp [KEYS/2, D] dwords
+ * (V[2k][d], V[2k+1][d]): the layout vdpbf16ps reduces over, two keys per multiply. The caches
+ * are stored as `kind`. */
 static inline __attribute__((always_inline)) void
-load_kv(const Chunks *c, const int64_t D, const int64_t *table, int64_t kvh, int64_t j0,
-        int64_t n, uint16_t *kt, uint32_t *vp)
+load_kv(const Chunks *c, const int64_t D, const int kind, const int64_t *table, int64_t kvh,
+        int64_t j0, int64_t n, uint16_t *kt, uint32_t *vp)
 {
     const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9,
                                         40, 8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1,
                                         32, 0);
     const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
-    const uint16_t *vr[2];
+    int64_t vr[2]; /* the pair's V rows: element offsets into the cache */
     for (int64_t jj = 0; jj < KEYS; jj++) {
         const int64_t j = j0 + (jj < n ? jj : 0);
         const int64_t slot = table[j / c->block_size] * c->block_size + j % c->block_size;
         const int64_t at = (slot * c->kv_heads + kvh) * D;
-        memcpy(kt + jj * D, c->k_cache + at, D * sizeof(uint16_t));
-        vr[jj & 1] = c->v_cache + at;
+        for (int64_t d = 0; d < D; d += 32)
+            _mm512_store_si512(kt + jj * D + d, load32_bf16(c->k_cache, at + d, kind));
+        vr[jj & 1] = at;
         if (jj & 1)
             for (int64_t d = 0; d < D; d += 32) {
-                const __m512i a = _mm512_loadu_si512(vr[0] + d), b = _mm512_loadu_si512(vr[1] + d);
+                const __m512i a = load32_bf16(c->v_cache, vr[0] + d, kind);
+                const __m512i b = load32_bf16(c->v_cache, vr[1] + d, kind);
                 uint32_t *dst = vp + (jj / 2) * D + d;
                 _mm512_store_si512(dst, _mm512_permutex2var_epi16(a, lo, b));
                 _mm512_store_si512(dst + 16, _mm512_permutex2var_epi16(a, hi, b));
@@ -206,9 +214,10 @@ attend_keys(const int64_t D, const HeadState *st, const uint16_t *kt, const uint
 
 /* One task: query rows i0 .. i0+TILE-1 (those < T) of chunk s for every query head of KV head
  * kvh, so each tile of K/V is read and rearranged once for the whole group. buf: the group's
- * HeadStates. */
+ * HeadStates; kind: how the caches are stored. */
 static inline __attribute__((always_inline)) void
-attend_tile(const Chunks *c, const int64_t D, int64_t s, int64_t kvh, int64_t i0, float *buf)
+attend_tile(const Chunks *c, const int64_t D, const int kind, int64_t s, int64_t kvh, int64_t i0,
+            float *buf)
 {
     const int64_t T = c->q_lens[s], pos0 = c->seq_lens[s] - T + i0;
     const int64_t rows = T - i0 < TILE ? T - i0 : TILE;
@@ -233,7 +242,7 @@ attend_tile(const Chunks *c, const int64_t D, int64_t s, int64_t kvh, int64_t i0
     }
     for (int64_t j0 = 0; j0 < kv_end; j0 += KEYS) {
         const int64_t n = kv_end - j0 < KEYS ? kv_end - j0 : KEYS;
-        load_kv(c, D, table, kvh, j0, n, kt, vp);
+        load_kv(c, D, kind, table, kvh, j0, n, kt, vp);
         __mmask16 km[KEYS];
         for (int jj = 0; jj < KEYS; jj++)
             km[jj] = causal_lanes(j0 + jj, pos0, jj, n);
@@ -264,7 +273,8 @@ int chunk_attention_bf16_supported(int64_t head_dim)
 }
 
 int chunk_attention_bf16(void *out, const void *q, const void *k_cache, const void *v_cache,
-                         const int64_t *block_table, int64_t table_width, const int64_t *seq_lens,
+                         int64_t kv_kind, const int64_t *block_table, int64_t table_width,
+                         const int64_t *seq_lens,
                          const int64_t *q_starts, const int64_t *q_lens, int64_t num_seqs,
                          int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
                          float scale, int64_t num_threads)
@@ -272,8 +282,10 @@ int chunk_attention_bf16(void *out, const void *q, const void *k_cache, const vo
     if (!chunk_attention_bf16_supported(head_dim))
         return 2;
 #if HAVE_CHUNK_KERNEL
+    if (kv_kind == KIND_F32)
+        return 2;
     const Chunks c = {q, k_cache, v_cache, out, block_table, seq_lens, q_starts, q_lens,
-                      table_width, heads, kv_heads, block_size, scale};
+                      table_width, heads, kv_heads, block_size, scale, (int)kv_kind};
     int64_t *first = malloc(sizeof(int64_t) * (num_seqs + 1)); /* chunk s's first task */
     if (first == NULL)
         return 1;
@@ -298,10 +310,19 @@ int chunk_attention_bf16(void *out, const void *q, const void *k_cache, const vo
                 s++;
             const int64_t task = t - first[s], tiles = (q_lens[s] + TILE - 1) / TILE;
             const int64_t i0 = (tiles - 1 - task / kv_heads) * TILE; /* longest tiles first */
-            if (head_dim == 64)
-                attend_tile(&c, 64, s, task % kv_heads, i0, buf);
-            else
-                attend_tile(&c, 128, s, task % kv_heads, i0, buf);
+            /* Head size and storage as constants: each pair is its own unrolled copy. */
+#define TILE_CASE(d, k) attend_tile(&c, d, k, s, task % kv_heads, i0, buf)
+#define BY_KIND(d)                                                              \
+    if (c.kv_kind == KIND_BF16) TILE_CASE(d, KIND_BF16);                        \
+    else if (c.kv_kind == KIND_FP8_E4M3) TILE_CASE(d, KIND_FP8_E4M3);           \
+    else TILE_CASE(d, KIND_FP8_E5M2)
+            if (head_dim == 64) {
+                BY_KIND(64);
+            } else {
+                BY_KIND(128);
+            }
+#undef BY_KIND
+#undef TILE_CASE
         }
         free(buf);
     }

@@ -17,8 +17,9 @@
  * thread pool: a second pool (numba's, say) spins against PyTorch's between ops, measured at
  * about twice the kernel's time on 2 cores.
  *
- * Layouts (all contiguous; q, out and the caches all float32 or all bfloat16, flag `bf16`;
- * the arithmetic is float32 either way, bfloat16 is only how values are stored):
+ * Layouts (all contiguous; q and out both float32 or both bfloat16, flag `bf16`; the caches
+ * the same, or fp8 (`kv_kind`, storage.h's kinds); the arithmetic is float32 either way, the
+ * storage types are only how values are kept):
  *   q, out       [T, heads, head_dim]; decode s reads/writes row rows[s]
  *   k/v_cache    [num_blocks, block_size, kv_heads, head_dim]
  *   block_table  [num_seqs, table_width] int64; seq_lens, rows [num_seqs] int64
@@ -33,6 +34,7 @@
 #define PART 256 /* most tokens a task: 2 tasks per thread at 16 decodes of 512 on 2 cores */
 #define MIN_PART 32 /* fewest: a part's fixed costs (softmax pass, merge) stay small */
 #define MIN_TASKS_PER_THREAD 4
+#define RUN_MAX 16 /* tokens in a run of the bfloat16 path (paged_decode_bf16.h's RUN) */
 
 typedef struct {
     const void *k_cache, *v_cache;
@@ -64,10 +66,12 @@ static inline void softmax_parts(int64_t heads, int64_t n, float *scores, float 
 #endif
 
 /* One part [begin, end) of one decode: scores, partial softmax and unnormalised output.
- * q: [heads, D] float32; m, l: [heads]; acc: [heads, D]; scores: [heads, PART] scratch. */
+ * q: [heads, D] float32; m, l: [heads]; acc: [heads, D]; scores: [heads, PART] scratch; the
+ * caches stored as `kv_kind`. */
 static inline __attribute__((always_inline)) void
-attend_part(const Cache *c, const int64_t D, const int bf16, const float *q, const int64_t *table,
-            int64_t begin, int64_t end, float *scores, float *m, float *l, float *acc)
+attend_part(const Cache *c, const int64_t D, const int kv_kind, const float *q,
+            const int64_t *table, int64_t begin, int64_t end, float *scores, float *m, float *l,
+            float *acc)
 {
     const int64_t group = c->heads / c->kv_heads, row = c->kv_heads * D;
     const int64_t n = end - begin;
@@ -78,7 +82,7 @@ attend_part(const Cache *c, const int64_t D, const int bf16, const float *q, con
             const float *qh = q + hq * D;
             float dot = 0.0f;
             for (int64_t d = 0; d < D; d++)
-                dot += qh[d] * load(c->k_cache, kh + d, bf16);
+                dot += qh[d] * load(c->k_cache, kh + d, kv_kind);
             scores[hq * PART + (j - begin)] = dot * c->scale;
         }
     }
@@ -91,32 +95,46 @@ attend_part(const Cache *c, const int64_t D, const int bf16, const float *q, con
             const int64_t vh = slot * row + (hq / group) * D;
             float *a = acc + hq * D;
             for (int64_t d = 0; d < D; d++)
-                a[d] += p * load(c->v_cache, vh + d, bf16);
+                a[d] += p * load(c->v_cache, vh + d, kv_kind);
         }
     }
 }
 
-/* q: this decode's query row as stored; qf: scratch for it in float32. */
-static void attend_part_any(const Cache *c, int64_t D, int bf16, const void *q, float *qf,
-                            const int64_t *table, int64_t begin, int64_t end, float *scores,
-                            float *m, float *l, float *acc)
+/* The generic loop with its head size and cache storage as constants, so that the compiler
+ * unrolls and vectorizes it fully. */
+static void attend_part_generic(const Cache *c, int64_t D, int kv_kind, const float *qf,
+                                const int64_t *table, int64_t begin, int64_t end, float *scores,
+                                float *m, float *l, float *acc)
+{
+#define CASE(d, k) attend_part(c, d, k, qf, table, begin, end, scores, m, l, acc)
+#define BY_HEAD_SIZE(k) \
+    if (D == 64) CASE(64, k); else if (D == 128) CASE(128, k); else CASE(D, k)
+    switch (kv_kind) {
+    case KIND_F32: BY_HEAD_SIZE(KIND_F32); break;
+    case KIND_BF16: BY_HEAD_SIZE(KIND_BF16); break;
+    case KIND_FP8_E4M3: BY_HEAD_SIZE(KIND_FP8_E4M3); break;
+    default: BY_HEAD_SIZE(KIND_FP8_E5M2); break;
+    }
+#undef BY_HEAD_SIZE
+#undef CASE
+}
+
+/* q: this decode's query row as stored; qf: scratch for it in float32; run: scratch for a
+ * run's K or V rows in bfloat16 (fp8 caches on the fast path). */
+static void attend_part_any(const Cache *c, int64_t D, int bf16, int kv_kind, const void *q,
+                            float *qf, uint16_t *run, const int64_t *table, int64_t begin,
+                            int64_t end, float *scores, float *m, float *l, float *acc)
 {
 #if HAVE_BF16_PATH
-    if (bf16 && D == 64)
-        return attend_part_bf16(c, 64, q, table, begin, end, scores, m, l, acc);
-    if (bf16 && D == 128)
-        return attend_part_bf16(c, 128, q, table, begin, end, scores, m, l, acc);
+    if (bf16 && kv_kind != KIND_F32 && D == 64)
+        return attend_part_bf16(c, 64, kv_kind, q, table, begin, end, scores, m, l, acc, run);
+    if (bf16 && kv_kind != KIND_F32 && D == 128)
+        return attend_part_bf16(c, 128, kv_kind, q, table, begin, end, scores, m, l, acc, run);
 #endif
+    (void)run;
     for (int64_t i = 0; i < c->heads * D; i++)
         qf[i] = load(q, i, bf16);
-    /* Constants (head size, storage type) let the compiler unroll and vectorize fully. */
-#define CASE(d, b) attend_part(c, d, b, qf, table, begin, end, scores, m, l, acc)
-    if (bf16) {
-        if (D == 64) CASE(64, 1); else if (D == 128) CASE(128, 1); else CASE(D, 1);
-    } else {
-        if (D == 64) CASE(64, 0); else if (D == 128) CASE(128, 0); else CASE(D, 0);
-    }
-#undef CASE
+    attend_part_generic(c, D, kv_kind, qf, table, begin, end, scores, m, l, acc);
 }
 
 /* out[hq] = sum_p acc_p[hq] * exp(m_p - M) / sum_p l_p * exp(m_p - M), M = max_p m_p.
@@ -161,7 +179,8 @@ static int64_t plan_parts(const int64_t *seq_lens, int64_t num_seqs, int64_t num
 }
 
 int paged_decode_attention(void *out, const void *q, const void *k_cache, const void *v_cache,
-                           int64_t bf16, const int64_t *block_table, int64_t table_width,
+                           int64_t bf16, int64_t kv_kind, const int64_t *block_table,
+                           int64_t table_width,
                            const int64_t *seq_lens, const int64_t *rows, int64_t num_seqs,
                            int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
                            float scale, int64_t num_threads)
@@ -186,9 +205,12 @@ int paged_decode_attention(void *out, const void *q, const void *k_cache, const 
     /* The caller's thread count (PyTorch's): a thread it did not start has libgomp's default. */
 #pragma omp parallel num_threads(num_threads)
     {
-        /* scores: [heads, PART]; then the query in float32 [heads, D] (the merge's row too). */
-        float *scores = malloc(sizeof(float) * heads * (PART + head_dim));
+        /* scores: [heads, PART]; then the query in float32 [heads, D] (the merge's row too);
+         * then a run of RUN_MAX tokens' K or V rows in bfloat16 (kv_heads * D each). */
+        float *scores = malloc(sizeof(float) * (heads * (PART + head_dim) +
+                                                RUN_MAX * kv_heads * head_dim / 2 + 16));
         float *qf = scores == NULL ? NULL : scores + heads * PART;
+        uint16_t *run = scores == NULL ? NULL : (uint16_t *)(qf + heads * head_dim);
         if (scores == NULL) {
 #pragma omp atomic write
             failed = 1;
@@ -206,9 +228,10 @@ int paged_decode_attention(void *out, const void *q, const void *k_cache, const 
                 s--;
             const int64_t begin = (t - first[s]) * part;
             const int64_t end = begin + part < seq_lens[s] ? begin + part : seq_lens[s];
-            attend_part_any(&c, head_dim, bf16, (const char *)q + rows[s] * row_stride * elem,
-                            qf, block_table + s * table_width, begin, end, scores,
-                            m + t * heads, l + t * heads, acc + t * heads * head_dim);
+            attend_part_any(&c, head_dim, bf16, kv_kind,
+                            (const char *)q + rows[s] * row_stride * elem, qf, run,
+                            block_table + s * table_width, begin, end, scores, m + t * heads,
+                            l + t * heads, acc + t * heads * head_dim);
         }
 #pragma omp for schedule(static)
         for (int64_t s2 = 0; s2 < num_seqs; s2++)

@@ -10,7 +10,10 @@
  *   - output: a run's V rows are widened to float32 once per KV head and added into the
  *     accumulators of up to ACC_VECTORS vectors of that head's query heads, held in registers
  *     for the whole run (GQA: one K/V row serves `group` query heads).
- * A run is up to RUN consecutive slots of one block, so its K/V rows are contiguous.
+ * A run is up to RUN consecutive slots of one block, so its K/V rows are contiguous. fp8 caches
+ * (--kv-cache-dtype) widen a run's rows to bfloat16 first, into a scratch buffer that stays in
+ * L1, and then take the same two loops: half the bytes read from memory for a few instructions
+ * per 32 values (storage.h's load32_bf16).
  */
 #include <immintrin.h>
 
@@ -120,18 +123,18 @@ static inline int64_t next_run(const int64_t *table, int64_t bs, int64_t j, int6
     return n < RUN ? n : RUN;
 }
 
-/* Asks for tokens [from, to) of a cache (clipped to `end`), into L1 (`l1`) or L2: blocks are
- * scattered over the pool, so the hardware prefetcher, which follows addresses, stops at every
- * block's end. */
+/* Asks for tokens [from, to) of a cache (clipped to `end`; `row` bytes a token), into L1
+ * (`l1`) or L2: blocks are scattered over the pool, so the hardware prefetcher, which follows
+ * addresses, stops at every block's end. */
 static inline __attribute__((always_inline)) void
-prefetch_tokens(const uint16_t *cache, const int64_t *table, int64_t bs, int64_t from,
+prefetch_tokens(const char *cache, const int64_t *table, int64_t bs, int64_t from,
                 int64_t to, int64_t end, int64_t row, const int l1)
 {
     to = to < end ? to : end;
     for (int64_t j = from, n, slot; j < to; j += n) {
         n = next_run(table, bs, j, to, &slot);
-        const char *p = (const char *)(cache + slot * row);
-        for (int64_t b = 0; b < n * row * 2; b += 64)
+        const char *p = cache + slot * row;
+        for (int64_t b = 0; b < n * row; b += 64)
             if (l1)
                 _mm_prefetch(p + b, _MM_HINT_T0);
             else
@@ -148,32 +151,47 @@ prefetch_tokens(const uint16_t *cache, const int64_t *table, int64_t bs, int64_t
 
 /* The run [j, j + n) is being computed: ask for the rows NEAR and FAR tokens later. */
 static inline __attribute__((always_inline)) void
-prefetch_ahead(const uint16_t *cache, const int64_t *table, int64_t bs, int64_t j, int64_t n,
+prefetch_ahead(const char *cache, const int64_t *table, int64_t bs, int64_t j, int64_t n,
                int64_t end, int64_t row)
 {
     prefetch_tokens(cache, table, bs, j + NEAR, j + NEAR + n, end, row, 1);
     prefetch_tokens(cache, table, bs, j + FAR, j + FAR + n, end, row, 0);
 }
 
-/* attend_part for bfloat16 caches and queries: the same partial softmax, in runs. */
-static inline __attribute__((always_inline)) void
-attend_part_bf16(const Cache *c, const int64_t D, const uint16_t *q, const int64_t *table,
-                 int64_t begin, int64_t end, float *scores, float *m, float *l, float *acc)
+/* The n tokens' rows from `slot` on of a cache stored as `kind`, as bfloat16: in place for a
+ * bfloat16 cache, else widened into `run`. */
+static inline __attribute__((always_inline)) const uint16_t *
+run_rows(const void *cache, const int kind, int64_t slot, int64_t n, int64_t row, uint16_t *run)
 {
-    const int64_t bs = c->block_size, row = c->kv_heads * D;
-    const uint16_t *kc = c->k_cache, *vc = c->v_cache;
-    prefetch_tokens(kc, table, bs, begin, begin + NEAR, end, row, 1);
+    if (kind == KIND_BF16)
+        return (const uint16_t *)cache + slot * row;
+    for (int64_t i = 0; i < n * row; i += 32) /* row = kv_heads * D: a multiple of 32 */
+        _mm512_storeu_si512(run + i, load32_bf16(cache, slot * row + i, kind));
+    return run;
+}
+
+/* attend_part for bfloat16 queries and bfloat16 or fp8 caches (`kind`): the same partial
+ * softmax, in runs. run: scratch for RUN tokens' rows. */
+static inline __attribute__((always_inline)) void
+attend_part_bf16(const Cache *c, const int64_t D, const int kind, const uint16_t *q,
+                 const int64_t *table, int64_t begin, int64_t end, float *scores, float *m,
+                 float *l, float *acc, uint16_t *run)
+{
+    const int64_t bs = c->block_size, row = c->kv_heads * D, row_bytes = row * kind_bytes(kind);
+    const char *kc = c->k_cache, *vc = c->v_cache;
+    prefetch_tokens(kc, table, bs, begin, begin + NEAR, end, row_bytes, 1);
     for (int64_t j = begin, n, slot; j < end; j += n) {
         n = next_run(table, bs, j, end, &slot);
-        prefetch_ahead(kc, table, bs, j, n, end, row);
-        score_run(c, D, q, kc + slot * row, n, scores + (j - begin));
+        prefetch_ahead(kc, table, bs, j, n, end, row_bytes);
+        score_run(c, D, q, run_rows(kc, kind, slot, n, row, run), n, scores + (j - begin));
     }
-    prefetch_tokens(vc, table, bs, begin, begin + NEAR, end, row, 1);
+    prefetch_tokens(vc, table, bs, begin, begin + NEAR, end, row_bytes, 1);
     softmax_parts(c->heads, end - begin, scores, m, l);
     memset(acc, 0, sizeof(float) * c->heads * D);
     for (int64_t j = begin, n, slot; j < end; j += n) {
         n = next_run(table, bs, j, end, &slot);
-        prefetch_ahead(vc, table, bs, j, n, end, row);
-        accumulate_run(c, D, vc + slot * row, n, scores + (j - begin), acc);
+        prefetch_ahead(vc, table, bs, j, n, end, row_bytes);
+        accumulate_run(c, D, run_rows(vc, kind, slot, n, row, run), n, scores + (j - begin),
+                       acc);
     }
 }
