@@ -47,7 +47,8 @@ class Chunk:
         self.q = torch.randn(args.chunk, self.heads, d).bfloat16()
         self.arrays = [np.array([v], np.int64) for v in (self.seq_len, 0, args.chunk)]
 
-    def run(self, fn, out: torch.Tensor) -> float:  # type: ignore[no-untyped-def]
+    def run(self, fn, out: torch.Tensor,  # type: ignore[no-untyped-def]
+            this_tree: bool) -> float:  # one cache type for both kernels here
         a, (seq_lens, starts, lens) = self.args, self.arrays
         t0 = time.perf_counter()
         for kc, vc, table in self.layers:

@@ -6,9 +6,10 @@ taken from git) and called directly, alternately, on a step of `--layers` layers
 own caches: B decodes of L context tokens in blocks of `--block-size` scattered over the pool
 (`--layout shuffled`, a pool after some serving) or request by request (`--layout sequential`,
 what a benchmark that prefills first gets). SmolLM2's heads (9 query, 3 KV, head size 64),
-bfloat16 (or `--kv-dtype fp8_e4m3|fp8_e5m2` caches, for kernels that read them). Prints ms
-per step (median), the K/V read rate, and the largest output difference between the two
-kernels.
+bfloat16 (or `--kv-dtype fp8_e4m3|fp8_e5m2` caches, for kernels that read them;
+`--kv-dtype bfloat16:fp8_e4m3` gives the baseline bfloat16 caches and this tree fp8 ones, the
+same values rounded: with `--baseline HEAD`, one kernel on both cache types). Prints ms per
+step (median), the K/V read rate, and the largest output difference between the two kernels.
 
     .venv/bin/python benchmarks/decode_kernel_ab.py --baseline HEAD [--batch 64 --context 512]
 """
@@ -81,8 +82,8 @@ def baseline_sources(rev: str, out_dir: str) -> str:
 def alternate(baseline: str, step: Any, out_shape: tuple[int, ...], rounds: int,
               **build: Any) -> tuple[dict[str, list[float]], dict[str, torch.Tensor]]:
     """Compiles the baseline's kernel and this tree's (`build`: compile_kernel's source, symbol
-    and argtypes) and times `step.run(kernel, out)` with each, alternately, the order flipped
-    each round. Returns the seconds and the last output of each, by name."""
+    and argtypes) and times `step.run(kernel, out, is_this_tree)` with each, alternately, the
+    order flipped each round. Returns the seconds and the last output of each, by name."""
     with tempfile.TemporaryDirectory() as tmp:
         base = os.path.join(tmp, "base")
         os.makedirs(base)
@@ -93,7 +94,7 @@ def alternate(baseline: str, step: Any, out_shape: tuple[int, ...], rounds: int,
         for r in range(rounds):
             order = list(kernels.items())
             for name, fn in order if r % 2 == 0 else reversed(order):
-                times[name].append(step.run(fn, outs[name]))
+                times[name].append(step.run(fn, outs[name], name == "this tree"))
     return times, outs
 
 
@@ -106,30 +107,33 @@ class Step:
         self.width = -(-args.context // bs)
         rng = np.random.default_rng(0)
         self.layers = []
-        self.kv_dtype = KV_DTYPES[args.kv_dtype]
+        names = args.kv_dtype.split(":")
+        self.kv_dtypes = [KV_DTYPES[n] for n in (names[0], names[-1])]  # baseline, this tree
         for _ in range(args.layers):
             blocks = b * self.width
             order = rng.permutation(blocks) if args.layout == "shuffled" else np.arange(blocks)
-            kc, vc = (torch.randn(blocks, bs, KV_HEADS, HEAD_DIM).to(self.kv_dtype)
-                      for _ in range(2))
-            self.layers.append((kc, vc, np.ascontiguousarray(order.reshape(b, self.width))))
+            kv = [torch.randn(blocks, bs, KV_HEADS, HEAD_DIM) for _ in range(2)]
+            self.layers.append(([[c.to(dtype) for c in kv] for dtype in self.kv_dtypes],
+                                np.ascontiguousarray(order.reshape(b, self.width))))
         self.q = torch.randn(b, HEADS, HEAD_DIM).bfloat16()
         self.seq_lens = np.full(b, args.context, np.int64)
         self.rows = np.arange(b, dtype=np.int64)
 
-    def run(self, fn: Callable[..., int], out: torch.Tensor) -> float:
-        kind = cpu_kernel.STORAGE_KINDS[self.kv_dtype]
+    def run(self, fn: Callable[..., int], out: torch.Tensor, this_tree: bool) -> float:
+        dtype = self.kv_dtypes[this_tree]
+        kind = cpu_kernel.STORAGE_KINDS[dtype]
         t0 = time.perf_counter()
-        for kc, vc, table in self.layers:
+        for caches, table in self.layers:
+            kc, vc = caches[this_tree]
             fn(out.data_ptr(), self.q.data_ptr(), kc.data_ptr(), vc.data_ptr(), 1, kind,
                table.ctypes.data, self.width, self.seq_lens.ctypes.data, self.rows.ctypes.data,
                self.args.batch, HEADS, KV_HEADS, HEAD_DIM, self.args.block_size,
                HEAD_DIM ** -0.5, torch.get_num_threads())
         return time.perf_counter() - t0
 
-    def kv_bytes(self) -> int:
+    def kv_bytes(self, this_tree: bool) -> int:
         a = self.args
-        elem = torch.empty((), dtype=self.kv_dtype).element_size()
+        elem = torch.empty((), dtype=self.kv_dtypes[this_tree]).element_size()
         return 2 * a.batch * a.context * KV_HEADS * HEAD_DIM * elem * a.layers
 
 
@@ -141,25 +145,28 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--layout", choices=("shuffled", "sequential"), default="shuffled")
-    p.add_argument("--kv-dtype", choices=tuple(KV_DTYPES), default="bfloat16",
-                   help="the caches' (fp8: both kernels must read it)")
+    p.add_argument("--kv-dtype", default="bfloat16",
+                   help=f"the caches' ({', '.join(KV_DTYPES)}; fp8: the kernel must read it), "
+                        "or BASELINE:THIS_TREE")
     p.add_argument("--rounds", type=int, default=15)
     args = p.parse_args()
     print(f"{cpu_model()} | torch {torch.__version__} | {torch.get_num_threads()} threads")
-    if args.kv_dtype != "bfloat16":
+    names = args.kv_dtype.split(":")
+    if len(names) > 2 or any(n not in KV_DTYPES for n in names):
+        sys.exit(f"--kv-dtype: one or two (BASELINE:THIS_TREE) of {', '.join(KV_DTYPES)}")
+    if names[0] != "bfloat16":
         source = subprocess.run(["git", "show", f"{args.baseline}:{KERNEL_DIR}/paged_decode.c"],
                                 cwd=REPO, check=True, capture_output=True, text=True).stdout
         if "kv_kind" not in source:
-            sys.exit(f"{args.baseline}'s kernel reads bfloat16 caches only: --kv-dtype bfloat16")
+            sys.exit(f"{args.baseline}'s kernel reads bfloat16 caches only")
     step = Step(args)
     times, outs = alternate(args.baseline, step, (args.batch, HEADS, HEAD_DIM), args.rounds)
-    gb = step.kv_bytes() / 1e9
     print(f"{args.layers} layers x {args.batch} decodes x {args.context} tokens, blocks of "
-          f"{args.block_size}, {args.layout}: {gb * 1e3:.0f} MB of K/V per step")
-    print("| kernel | ms/step (median) | K/V GB/s |\n|---|---:|---:|")
+          f"{args.block_size}, {args.layout}, K/V {args.kv_dtype}")
+    print("| kernel | K/V MB a step | ms/step (median) | K/V GB/s |\n|---|---:|---:|---:|")
     for name, ts in times.items():
-        med = statistics.median(ts)
-        print(f"| {name} | {med * 1e3:.2f} | {gb / med:.1f} |")
+        med, gb = statistics.median(ts), step.kv_bytes(name == "this tree") / 1e9
+        print(f"| {name} | {gb * 1e3:.0f} | {med * 1e3:.2f} | {gb / med:.1f} |")
     base, new = outs.values()
     print(f"max |difference| of the outputs: {(base.float() - new.float()).abs().max().item():.3g}")
 
