@@ -120,20 +120,25 @@ def test_fp8_halves_the_block_bytes_and_refuses_backends_without_it(tiny_model_d
 def test_fp8_cache_tokens_do_not_depend_on_chunks_or_preemption(tiny_model_dir, backend):
     """Greedy tokens of a tiny random model on an fp8 cache: the same with one-step prefills,
     chunks of 16, and preemption by recompute (the cache is rewritten from the same
-    fp8-rounded K/V every time), on either CPU backend."""
+    fp8-rounded K/V every time) or by swap (the fp8 bytes go to the host pool and back), on
+    either CPU backend."""
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     prompts = _prompts([31, 31, 31, 31, 31, 31, 47, 15])  # test_token_identity: crowded
     results = []
-    for budget, blocks in ((4096, None), (16, None), (32, 16)):
+    for budget, blocks, mode in ((4096, None, "recompute"), (16, None, "recompute"),
+                                 (32, 16, "recompute"), (32, 16, "swap")):
         loaded = load_model(tiny_model_dir, "float32", max_model_len=256,
                             attention_backend=backend)
         llm = LLM(loaded=loaded, model=loaded.path, max_num_batched_tokens=budget,
-                  kv_cache_dtype="fp8", num_kv_blocks=blocks, enable_prefix_caching=False)
-        assert llm.engine.executor.kv_cache.dtype == torch.float8_e4m3fn
+                  kv_cache_dtype="fp8", num_kv_blocks=blocks, preemption_mode=mode,
+                  enable_prefix_caching=False)
+        runner = llm.engine.executor
+        assert runner.kv_cache.dtype == torch.float8_e4m3fn
+        assert mode == "recompute" or runner.swap_cache.dtype == torch.float8_e4m3fn
         results.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
         if blocks:
             assert llm.engine.scheduler.num_preemptions > 0
-    assert results[0] == results[1] == results[2]
+    assert all(r == results[0] for r in results)
 
 
 # ---- the default model: what fp8 costs in accuracy ---------------------------------------------
