@@ -1,8 +1,9 @@
 """Engine steps of several CPU configurations, measured alternately in one process.
 
 Weights format (`--quantization`), attention backend and KV cache dtype (`--kv-cache-dtype`)
-change a step's time by less than this machine's drift between two runs, so every configuration is loaded side by side and each
-measurement round visits them in alternating order; the table gives medians per configuration.
+change a step's time by less than this machine's drift between two runs, so every
+configuration is loaded side by side and each measurement round visits them in alternating
+order; the table gives medians per configuration.
 
     .venv/bin/python benchmarks/cpu_configs.py --batches 1,16,32,64 --context 256
 """

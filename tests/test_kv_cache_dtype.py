@@ -21,15 +21,16 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU backe
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 
 
-def _step(backend, layout, heads: int, kv_heads: int, head_dim: int, q_dtype: torch.dtype,  # type: ignore[no-untyped-def]
-          kv_dtype: torch.dtype, seed: int = 1, v: torch.Tensor | None = None):
+def _step(backend, layout, heads: int, kv_heads: int,  # type: ignore[no-untyped-def]
+          head_dim: int, q_dtype: torch.dtype, kv_dtype: torch.dtype, seed: int = 1,
+          v: torch.Tensor | None = None):
     """(out, k_cache, v_cache) of one step on random data: q/k/v in q_dtype, caches in kv_dtype
     (the same arguments give the same data). `v`: the step's new V rows instead of random."""
     gen = torch.Generator().manual_seed(seed)
     T = layout.num_tokens
     shape = (NUM_BLOCKS, layout.block_size, kv_heads, head_dim)
-    q, k, v_new = (torch.randn(s, generator=gen).to(q_dtype)
-                   for s in ((T, heads, head_dim), (T, kv_heads, head_dim), (T, kv_heads, head_dim)))
+    q, k, v_new = (torch.randn(s, generator=gen).to(q_dtype) for s in (
+        (T, heads, head_dim), (T, kv_heads, head_dim), (T, kv_heads, head_dim)))
     kc, vc = (torch.randn(shape, generator=gen).to(kv_dtype) for _ in range(2))
     meta = backend.build_metadata(DeviceStager(torch.device("cpu")).to_device(layout))
     with torch.inference_mode():
@@ -41,8 +42,9 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8)
 
 
-def _against_torch(layout, heads: int, kv_heads: int, head_dim: int, q_dtype: torch.dtype,  # type: ignore[no-untyped-def]
-                   kv_dtype: torch.dtype, seed: int = 1) -> None:
+def _against_torch(layout, heads: int, kv_heads: int,  # type: ignore[no-untyped-def]
+                   head_dim: int, q_dtype: torch.dtype, kv_dtype: torch.dtype,
+                   seed: int = 1) -> None:
     """The CPU kernels against the torch reference (which widens the fp8 K/V to q's dtype and
     runs SDPA): the same bytes written, the same outputs (float32: to 1e-5; bfloat16: to the
     output's rounding, as the bfloat16 cache tests)."""
