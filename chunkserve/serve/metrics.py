@@ -65,98 +65,96 @@ class ServerMetrics:
         # A private registry: several servers (or tests) in one process would otherwise collide
         # on the global default registry's duplicate-name check.
         self.registry = CollectorRegistry()
-        reg = self.registry
-        labels = ["model_name"]
+        self._make_state_metrics(num_kv_blocks, block_size, cache_dtype)
+        self._make_request_metrics(max_model_len)
+        self._make_step_metrics()
 
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, labels, registry=reg)
+    # Each metric's child for this server's model_name label is bound once: `.labels()` costs a
+    # dict lookup under a lock per call.
+    def _gauge(self, name: str, doc: str) -> Gauge:
+        return Gauge(name, doc, ["model_name"], registry=self.registry).labels(self.model_name)
 
-        def counter(name: str, doc: str) -> Counter:
-            # prometheus_client appends "_total" to counter samples; passing the bare name gives
-            # exactly vLLM's exposed `..._total` names.
-            return Counter(name, doc, labels, registry=reg)
+    def _counter(self, name: str, doc: str) -> Counter:
+        # prometheus_client appends "_total" to counter samples; passing the bare name gives
+        # exactly vLLM's exposed `..._total` names.
+        return Counter(name, doc, ["model_name"], registry=self.registry).labels(self.model_name)
 
-        def histogram(name: str, doc: str, buckets: list[float] | list[int]) -> Histogram:
-            return Histogram(name, doc, labels, buckets=buckets, registry=reg)
+    def _histogram(self, name: str, doc: str, buckets: list[float] | list[int]) -> Histogram:
+        return Histogram(name, doc, ["model_name"], buckets=buckets,
+                         registry=self.registry).labels(self.model_name)
 
-        # Bind the label child once: `.labels()` costs a dict lookup under a lock per call.
-        m = model_name
-        self._running = gauge("vllm:num_requests_running", "Requests in the running batch.").labels(m)
-        self._waiting = gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.").labels(m)
-        self._kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage, 0 to 1.").labels(m)
-        self._fragmentation = gauge(
+    def _make_state_metrics(self, num_kv_blocks: int | None, block_size: int | None,
+                            cache_dtype: str) -> None:
+        """The scheduler's state (gauges) and the engine's token and preemption counters."""
+        self._running = self._gauge("vllm:num_requests_running", "Requests in the running batch.")
+        self._waiting = self._gauge("vllm:num_requests_waiting",
+                                    "Requests waiting to be scheduled.")
+        self._kv_usage = self._gauge("vllm:kv_cache_usage_perc", "KV-cache usage, 0 to 1.")
+        self._fragmentation = self._gauge(
             "chunkserve:kv_cache_internal_fragmentation_tokens",
-            "Allocated KV slots not holding a token (partly filled last blocks).",
-        ).labels(m)
-
+            "Allocated KV slots not holding a token (partly filled last blocks).")
         if num_kv_blocks is not None:
             # vLLM's info gauge (value 1, facts in labels): with kv_cache_usage_perc it gives
             # the blocks in use, which a usage fraction alone hides on a large pool.
             Gauge("vllm:cache_config_info", "The KV cache's configuration.",
-                  ["block_size", "num_gpu_blocks", "cache_dtype"], registry=reg,
+                  ["block_size", "num_gpu_blocks", "cache_dtype"], registry=self.registry,
                   ).labels(str(block_size), str(num_kv_blocks), cache_dtype).set(1)
-
-        self._preemptions = counter("vllm:num_preemptions", "Cumulative preemptions.").labels(m)
-        self._prompt_tokens = counter("vllm:prompt_tokens", "Prefilled prompt tokens.").labels(m)
-        self._generation_tokens = counter("vllm:generation_tokens", "Generated tokens.").labels(m)
+        self._preemptions = self._counter("vllm:num_preemptions", "Cumulative preemptions.")
+        self._prompt_tokens = self._counter("vllm:prompt_tokens", "Prefilled prompt tokens.")
+        self._generation_tokens = self._counter("vllm:generation_tokens", "Generated tokens.")
         # Token counts, vLLM's names: hits / queries is the prefix cache's hit rate.
-        self._prefix_queries = counter(
-            "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.").labels(m)
-        self._prefix_hits = counter(
-            "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.").labels(m)
+        self._prefix_queries = self._counter(
+            "vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self._prefix_hits = self._counter(
+            "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+
+    def _make_request_metrics(self, max_model_len: int) -> None:
+        """Per finished request: outcome, latencies and lengths."""
         self._success_family = Counter(
             "vllm:request_success", "Finished requests by finish reason.",
-            ["model_name", "finished_reason"], registry=reg,
+            ["model_name", "finished_reason"], registry=self.registry,
         )
         # Pre-create all three so each series exists (at 0) before the first request ends, as
         # vLLM does; dashboards' rate() needs the series to exist.
         self._success: dict[str, Counter] = {
-            r: self._success_family.labels(m, r) for r in FINISHED_REASONS
+            r: self._success_family.labels(self.model_name, r) for r in FINISHED_REASONS
         }
+        h = self._histogram
+        self._ttft = h("vllm:time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
+        self._itl = h("vllm:inter_token_latency_seconds",
+                      "Gap between consecutive output tokens.", ITL_BUCKETS)
+        self._tpot = h("vllm:request_time_per_output_token_seconds",
+                       "Per request: mean time per output token after the first.", ITL_BUCKETS)
+        self._e2e = h("vllm:e2e_request_latency_seconds", "Arrival to finish.",
+                      REQUEST_LATENCY_BUCKETS)
+        self._queue = h("vllm:request_queue_time_seconds", "Arrival to first scheduled.",
+                        REQUEST_LATENCY_BUCKETS)
+        self._prefill = h("vllm:request_prefill_time_seconds", "First scheduled to first token.",
+                          REQUEST_LATENCY_BUCKETS)
+        self._decode = h("vllm:request_decode_time_seconds", "First token to finish.",
+                         REQUEST_LATENCY_BUCKETS)
+        len_buckets = build_1_2_5_buckets(max_model_len)
+        self._request_prompt_tokens = h("vllm:request_prompt_tokens",
+                                        "Prompt length per request.", len_buckets)
+        self._request_generation_tokens = h("vllm:request_generation_tokens",
+                                            "Output tokens per finished request.", len_buckets)
 
-        self._ttft = histogram(
-            "vllm:time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS).labels(m)
-        self._itl = histogram(
-            "vllm:inter_token_latency_seconds", "Gap between consecutive output tokens.",
-            ITL_BUCKETS).labels(m)
-        self._tpot = histogram(
-            "vllm:request_time_per_output_token_seconds",
-            "Per request: mean time per output token after the first.", ITL_BUCKETS).labels(m)
-        self._e2e = histogram(
-            "vllm:e2e_request_latency_seconds", "Arrival to finish.",
-            REQUEST_LATENCY_BUCKETS).labels(m)
-        self._queue = histogram(
-            "vllm:request_queue_time_seconds", "Arrival to first scheduled.",
-            REQUEST_LATENCY_BUCKETS).labels(m)
-        self._prefill = histogram(
-            "vllm:request_prefill_time_seconds", "First scheduled to first token.",
-            REQUEST_LATENCY_BUCKETS).labels(m)
-        self._decode = histogram(
-            "vllm:request_decode_time_seconds", "First token to finish.",
-            REQUEST_LATENCY_BUCKETS).labels(m)
+    def _make_step_metrics(self) -> None:
+        """Per engine step: tokens and wall time."""
+        h = self._histogram
         # A histogram whose name ends in "_total" is exposed verbatim (only counters get the
         # suffix treatment), giving vLLM's `vllm:iteration_tokens_total_bucket` etc.
-        self._iteration_tokens = histogram(
-            "vllm:iteration_tokens_total", "Tokens (prefill + decode) per engine step.",
-            ITERATION_TOKENS_BUCKETS).labels(m)
-        len_buckets = build_1_2_5_buckets(max_model_len)
-        self._request_prompt_tokens = histogram(
-            "vllm:request_prompt_tokens", "Prompt length per request.", len_buckets).labels(m)
-        self._request_generation_tokens = histogram(
-            "vllm:request_generation_tokens", "Output tokens per finished request.",
-            len_buckets).labels(m)
-
-        self._step_duration = histogram(
-            "chunkserve:step_duration_seconds", "Wall time of one engine step.",
-            STEP_DURATION_BUCKETS).labels(m)
+        self._iteration_tokens = h("vllm:iteration_tokens_total",
+                                   "Tokens (prefill + decode) per engine step.",
+                                   ITERATION_TOKENS_BUCKETS)
+        self._step_duration = h("chunkserve:step_duration_seconds",
+                                "Wall time of one engine step.", STEP_DURATION_BUCKETS)
         # Observed every step, zeros included, so count == steps and the le="1" bucket shows how
         # often a step had no prefill (or no decode) work.
-        self._step_prefill_tokens = histogram(
-            "chunkserve:step_prefill_tokens", "Prefill tokens per engine step.",
-            ITERATION_TOKENS_BUCKETS).labels(m)
-        self._step_decode_tokens = histogram(
-            "chunkserve:step_decode_tokens", "Decode tokens per engine step.",
-            ITERATION_TOKENS_BUCKETS).labels(m)
+        self._step_prefill_tokens = h("chunkserve:step_prefill_tokens",
+                                      "Prefill tokens per engine step.", ITERATION_TOKENS_BUCKETS)
+        self._step_decode_tokens = h("chunkserve:step_decode_tokens",
+                                     "Decode tokens per engine step.", ITERATION_TOKENS_BUCKETS)
 
     def set_state(self, num_running: int, num_waiting: int, kv_usage: float,
                   fragmentation_tokens: int) -> None:
