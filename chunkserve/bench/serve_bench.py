@@ -173,20 +173,25 @@ async def _run(args: argparse.Namespace, session: aiohttp.ClientSession, url: st
     return list(results), duration
 
 
+def _parse_metric_args(args: argparse.Namespace) -> tuple[list[str], list[float],
+                                                          dict[str, float]]:
+    """(--percentile-metrics, --metric-percentiles, --goodput), checked."""
+    percentile_metrics = [m.strip() for m in args.percentile_metrics.split(",") if m.strip()]
+    bad = set(percentile_metrics) - set(METRIC_NAMES)
+    if bad:
+        raise ValueError(f"--percentile-metrics: unknown {sorted(bad)}; choose from {METRIC_NAMES}")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise ValueError("--max-concurrency must be at least 1")
+    percentiles = parse_percentiles(args.metric_percentiles)
+    return percentile_metrics, percentiles, parse_goodput(args.goodput)
+
+
 async def _bench(args: argparse.Namespace) -> int:
     import aiohttp
 
     from chunkserve.bench.client import is_chat_endpoint
 
-    percentile_metrics = [m.strip() for m in args.percentile_metrics.split(",") if m.strip()]
-    bad = set(percentile_metrics) - set(METRIC_NAMES)
-    if bad:
-        raise ValueError(f"--percentile-metrics: unknown {sorted(bad)}; choose from {METRIC_NAMES}")
-    percentiles = parse_percentiles(args.metric_percentiles)
-    slos = parse_goodput(args.goodput)
-    if args.max_concurrency is not None and args.max_concurrency < 1:
-        raise ValueError("--max-concurrency must be at least 1")
-
+    percentile_metrics, percentiles, slos = _parse_metric_args(args)
     endpoint = args.endpoint or _BACKENDS[args.backend or "openai"]
     backend = args.backend or ("openai-chat" if is_chat_endpoint(endpoint) else "openai")
     base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
@@ -230,32 +235,35 @@ async def _bench(args: argparse.Namespace) -> int:
     print_summary(metrics, selected_percentile_metrics=percentile_metrics,
                   selected_percentiles=percentiles, max_concurrency=args.max_concurrency,
                   request_rate=args.request_rate)
-
     if args.save_result or args.save_detailed:
-        date = datetime.now().strftime("%Y%m%d-%H%M%S")
-        record: dict[str, Any] = {
-            "date": date, "backend": backend, "model_id": model_id, "tokenizer_id": tokenizer_id,
+        _save_result(args, results, {
+            "backend": backend, "model_id": model_id, "tokenizer_id": tokenizer_id,
             "num_prompts": args.num_prompts,
             "request_rate": "inf" if math.isinf(args.request_rate) else args.request_rate,
             "burstiness": args.burstiness, "max_concurrency": args.max_concurrency,
             "dataset_name": args.dataset_name, "endpoint": endpoint, "ignore_eos": ignore_eos,
-            "goodput_slos_ms": slos,
-            **metrics,
-        }
-        if args.save_detailed:
-            record.update(
-                input_lens=[r.prompt_len for r in results],
-                output_lens=[r.output_len if r.success else 0 for r in results],
-                ttfts=[r.ttft for r in results], itls=[r.itl for r in results],
-                latencies=[r.latency for r in results],
-                start_times=[r.start_time for r in results],
-                generated_texts=[r.generated_text for r in results],
-                errors=[r.error for r in results])
-        path = _result_path(args, backend, model_id, date)
-        with open(path, "w", encoding="utf-8") as f:
-            json.dump(record, f, indent=2)
-        print(f"Saved results to {path}")
+            "goodput_slos_ms": slos, **metrics})
     return 0
+
+
+def _save_result(args: argparse.Namespace, results: list[RequestResult],
+                 record: dict[str, Any]) -> None:
+    """The run's JSON as vLLM's `--save-result` writes it (`--save-detailed`: per request too)."""
+    date = datetime.now().strftime("%Y%m%d-%H%M%S")
+    record = {"date": date, **record}
+    if args.save_detailed:
+        record.update(
+            input_lens=[r.prompt_len for r in results],
+            output_lens=[r.output_len if r.success else 0 for r in results],
+            ttfts=[r.ttft for r in results], itls=[r.itl for r in results],
+            latencies=[r.latency for r in results],
+            start_times=[r.start_time for r in results],
+            generated_texts=[r.generated_text for r in results],
+            errors=[r.error for r in results])
+    path = _result_path(args, record["backend"], record["model_id"], date)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(record, f, indent=2)
+    print(f"Saved results to {path}")
 
 
 def run_bench_serve(args: argparse.Namespace) -> int:
