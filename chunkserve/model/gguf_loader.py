@@ -133,18 +133,7 @@ def _read_config(reader: gguf.GGUFReader, path: str) -> LlamaConfig:
     if rope_dim != head_dim:
         raise ValueError(f"{path}: partial rotary embeddings ({rope_dim} of {head_dim}) are not supported.")
 
-    vocab_size = meta("vocab_size")
-    if vocab_size is None:
-        tokens = reader.fields.get("tokenizer.ggml.tokens")
-        vocab_size = len(tokens.data) if tokens is not None else None
-    if vocab_size is None:
-        embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
-        if embd is None:
-            raise ValueError(
-                f"{path}: cannot tell the vocabulary size (no vocab_size, tokens or token_embd)."
-            )
-        vocab_size = int(embd.shape[1])
-
+    vocab_size = _vocab_size(reader, meta("vocab_size"), path)
     rope_theta = _f32(meta("rope.freq_base", 10000.0))
     max_pos = int(meta("context_length", 2048))
     rope_freqs = next((t for t in reader.tensors if t.name == _ROPE_FREQS), None)
@@ -157,15 +146,8 @@ def _read_config(reader: gguf.GGUFReader, path: str) -> LlamaConfig:
         head_dim=head_dim,
     )
 
-    # Chat models end a turn with EOT/EOM rather than EOS; the engine must stop on all of them.
-    eos_ids: list[int] = []
-    for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
-        token_id = gguf_field(reader, f"tokenizer.ggml.{key}")
-        if token_id is not None and token_id not in eos_ids:
-            eos_ids.append(int(token_id))
-
     return LlamaConfig(
-        vocab_size=int(vocab_size),
+        vocab_size=vocab_size,
         hidden_size=hidden,
         intermediate_size=required("feed_forward_length"),
         num_hidden_layers=required("block_count"),
@@ -178,8 +160,33 @@ def _read_config(reader: gguf.GGUFReader, path: str) -> LlamaConfig:
         max_position_embeddings=max_pos,
         tie_word_embeddings=all(t.name != "output.weight" for t in reader.tensors),
         bos_token_id=gguf_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_ids=eos_ids,
+        eos_token_ids=_eos_token_ids(reader),
     )
+
+
+def _vocab_size(reader: gguf.GGUFReader, declared: Any, path: str) -> int:
+    """llama.vocab_size, else the tokenizer's token count, else the embedding's rows."""
+    if declared is not None:
+        return int(declared)
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    if tokens is not None:
+        return len(tokens.data)
+    embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    if embd is None:
+        raise ValueError(
+            f"{path}: cannot tell the vocabulary size (no vocab_size, tokens or token_embd)."
+        )
+    return int(embd.shape[1])
+
+
+def _eos_token_ids(reader: gguf.GGUFReader) -> list[int]:
+    # Chat models end a turn with EOT/EOM rather than EOS; the engine must stop on all of them.
+    eos_ids: list[int] = []
+    for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
+        token_id = gguf_field(reader, f"tokenizer.ggml.{key}")
+        if token_id is not None and token_id not in eos_ids:
+            eos_ids.append(int(token_id))
+    return eos_ids
 
 
 def read_gguf_config(path: str) -> LlamaConfig:
