@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from chunkserve.model import cpu_kernel
+from chunkserve.model.attention import FP8_BY_NAME
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from host import cpu_model  # noqa: E402
@@ -39,8 +40,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KERNEL_DIR = "chunkserve/model/cpu_kernels"
 
 
-KV_DTYPES = {"bfloat16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn,
-             "fp8_e5m2": torch.float8_e5m2}
+KV_DTYPES = {"bfloat16": torch.bfloat16, "fp8_e4m3": FP8_BY_NAME["fp8_e4m3"],
+             "fp8_e5m2": FP8_BY_NAME["fp8_e5m2"]}
 
 
 def compile_kernel(source_dir: str, out_dir: str, source: str = "paged_decode.c",

@@ -9,8 +9,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from chunkserve import LLM, SamplingParams
-from chunkserve.config import EngineConfig
+from chunkserve.config import FP8_KV_CACHE_DTYPES, EngineConfig
 from chunkserve.engine.model_runner import kv_bytes_per_block, kv_cache_dtype
+from chunkserve.model.attention import FP8_BY_NAME
 from chunkserve.model.attention_cpu import CpuPagedAttention
 from chunkserve.model.attention_torch import TorchPagedAttention
 from chunkserve.model.batch import DeviceStager
@@ -116,6 +117,7 @@ def test_fp8_halves_the_block_bytes_and_refuses_backends_without_it(tiny_model_d
         kv_cache_dtype(model, "fp8")
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
         EngineConfig.from_kwargs(kv_cache_dtype="int8")
+    assert tuple(FP8_BY_NAME) == FP8_KV_CACHE_DTYPES  # every name the flag takes has a dtype
 
 
 @pytest.mark.parametrize("backend", ["cpu", "torch"])

@@ -34,9 +34,11 @@ def add_engine_args(p: argparse.ArgumentParser, model_flag: bool = True) -> None
                    help="dummy: random weights of the model's shape (a preset such as "
                         "llama-3-8b always is)")
     p.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
-                   help="auto: triton on CUDA, torch on the CPU")
+                   help="auto: triton on CUDA; on the CPU cpu (C kernels), or torch where they "
+                        "do not build")
     p.add_argument("--quantization", "-q", choices=QUANTIZATIONS, default="auto",
-                   help="CPU weight-only formats. int8: one scale per output channel; int4: "
+                   help="CPU weight-only formats. int8: groups of 32 with a scale (GGUF's Q8_0) "
+                        "on CPUs with AVX512_BF16, else one scale per output channel; int4: "
                         "groups of 32 with scale and minimum (GGUF's Q4_1 block); auto (with "
                         "--dtype auto): int4 for weights that already are 4-bit, on CPUs with "
                         "AVX512_BF16, else int8")

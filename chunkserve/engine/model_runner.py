@@ -9,12 +9,9 @@ from chunkserve.engine.cuda_graph import CUDAGraphRunner, capture_sizes
 from chunkserve.engine.executor import RunnerOutput
 from chunkserve.engine.input_batch import build_layout, sample_rows
 from chunkserve.engine.sampler import Sampler, SamplingRow
+from chunkserve.model.attention import FP8_BY_NAME
 from chunkserve.model.batch import BatchLayout, DeviceStager
 from chunkserve.model.llama import LlamaModel
-
-
-_FP8 = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
-        "fp8_e5m2": torch.float8_e5m2}
 
 
 def kv_cache_dtype(model: LlamaModel, name: str = "auto") -> torch.dtype:
@@ -26,7 +23,7 @@ def kv_cache_dtype(model: LlamaModel, name: str = "auto") -> torch.dtype:
         raise ValueError(f"--kv-cache-dtype {name} is not supported by the {model.attn.name!r} "
                          "attention backend; use --attention-backend cpu or torch, or "
                          "--kv-cache-dtype auto.")
-    return _FP8[name]
+    return FP8_BY_NAME[name]
 
 
 def kv_bytes_per_block(model: LlamaModel, block_size: int, dtype: torch.dtype | None = None) -> int:

@@ -20,10 +20,12 @@ import torch
 from chunkserve.model.batch import BatchTensors
 
 
-# The KV cache dtypes of `--kv-cache-dtype fp8*` (vLLM's names: fp8 = fp8_e4m3). Values are
-# stored as they are, without a scale: vLLM's k_scale = v_scale = 1.0, what it uses when a
-# checkpoint brings no calibrated scales.
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+# The KV cache dtypes of `--kv-cache-dtype fp8*` (config.FP8_KV_CACHE_DTYPES, vLLM's names:
+# fp8 = fp8_e4m3). Values are stored as they are, without a scale: vLLM's k_scale = v_scale =
+# 1.0, what it uses when a checkpoint brings no calibrated scales.
+FP8_BY_NAME = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+               "fp8_e5m2": torch.float8_e5m2}
+FP8_DTYPES = tuple(dict.fromkeys(FP8_BY_NAME.values()))
 
 
 class AttentionBackend(Protocol):

@@ -16,7 +16,7 @@ from chunkserve.benchlib.args import (
     workload_lengths,
 )
 from chunkserve.benchlib.report import sweep_and_report
-from chunkserve.config import KV_CACHE_DTYPES
+from chunkserve.config import FP8_KV_CACHE_DTYPES, KV_CACHE_DTYPES
 from chunkserve.benchlib.sweep import SweepPoint
 from chunkserve.benchlib.workloads import BenchRequest, arrival_times
 from chunkserve.sim.cost_model import (
@@ -76,7 +76,7 @@ def build_cost_model(args: argparse.Namespace) -> tuple[CostModel, int, int]:
         max_len = args.max_model_len or get_model(prof["model"]).max_position_embeddings
         return LinearCostModel(prof["coefficients"], prof["name"]), blocks, max_len
     hw, model = get_hardware(args.hardware), get_model(args.model)
-    if args.kv_cache_dtype.startswith("fp8"):
+    if args.kv_cache_dtype in FP8_KV_CACHE_DTYPES:
         model = dataclasses.replace(model, kv_dtype_bytes=1)
     cost = RooflineCostModel(hw, model, args.tensor_parallel_size, args.attention_backend)
     blocks = args.num_kv_blocks or cost.kv_cache_blocks(args.block_size)

@@ -82,7 +82,7 @@ attend_part(const Cache *c, const int64_t D, const int kv_kind, const float *q,
             const float *qh = q + hq * D;
             float dot = 0.0f;
             for (int64_t d = 0; d < D; d++)
-                dot += qh[d] * load(c->k_cache, kh + d, kv_kind);
+                dot += qh[d] * load_cache(c->k_cache, kh + d, kv_kind);
             scores[hq * PART + (j - begin)] = dot * c->scale;
         }
     }
@@ -95,7 +95,7 @@ attend_part(const Cache *c, const int64_t D, const int kv_kind, const float *q,
             const int64_t vh = slot * row + (hq / group) * D;
             float *a = acc + hq * D;
             for (int64_t d = 0; d < D; d++)
-                a[d] += p * load(c->v_cache, vh + d, kv_kind);
+                a[d] += p * load_cache(c->v_cache, vh + d, kv_kind);
         }
     }
 }
