@@ -24,9 +24,9 @@ import torch
 import torch.nn.functional as F
 
 from chunkserve.engine.llm_engine import LLMEngine
-from chunkserve.model import attention_torch
-from chunkserve.model.attention import causal_mask
-from chunkserve.model.attention_cpu import CpuPagedAttention
+from chunkserve.model.attention import torch_backend
+from chunkserve.model.attention.backend import causal_mask
+from chunkserve.model.attention.cpu_backend import CpuPagedAttention
 from chunkserve.model.factory import load_model
 from chunkserve.sampling_params import SamplingParams
 
@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from engine_speed import MODEL, prompt  # noqa: E402
 from host import cpu_model  # noqa: E402
 
-Backend = attention_torch.TorchPagedAttention
+Backend = torch_backend.TorchPagedAttention
 SPLIT = Backend._prefix_then_causal
 
 

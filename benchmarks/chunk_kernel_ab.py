@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from chunkserve.model import cpu_kernel
+from chunkserve.model.kernels import cpu_library
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from decode_kernel_ab import alternate  # noqa: E402
@@ -91,7 +91,7 @@ def main() -> None:
     step = Chunk(args)
     times, outs = alternate(args.baseline, step, (args.chunk, step.heads, args.head_dim),
                             args.rounds, source="chunk_attention_bf16.c",
-                            symbol="chunk_attention_bf16", argtypes=cpu_kernel.CHUNK_ARGTYPES,
+                            symbol="chunk_attention_bf16", argtypes=cpu_library.CHUNK_ARGTYPES,
                             kv_kind_at=4)
     print(f"{args.layers} layers x a {args.chunk}-token chunk after {args.prefix}, head size "
           f"{args.head_dim}, blocks of {args.block_size} shuffled")

@@ -156,7 +156,7 @@ def main() -> int:
                         "2026-12-01; --no-repack keeps weights out of its AMX buffers)")
     args = p.parse_args()
     peer_args = shlex.split(args.peer_args)
-    from chunkserve.model.loader import resolve_model_path
+    from chunkserve.model.loaders.source import resolve_model_path
 
     os.makedirs(args.out, exist_ok=True)
     gguf = resolve_model_path("smollm2-135m")

@@ -22,8 +22,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from chunkserve.model.attention_cpu import CpuPagedAttention
-from chunkserve.model.attention_torch import TorchPagedAttention
+from chunkserve.model.attention.cpu_backend import CpuPagedAttention
+from chunkserve.model.attention.torch_backend import TorchPagedAttention
 from chunkserve.model.batch import BatchLayout, DeviceStager
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

@@ -19,10 +19,12 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from chunkserve.model import group_gemm, linear, linear_int4
-from chunkserve.model.dense_gemm import DenseWeight
-from chunkserve.model.linear import Int8Linear
-from chunkserve.model.linear_int4 import Int4Linear
+from chunkserve.model.layers import group_gemm
+from chunkserve.model.layers import linear
+from chunkserve.model.layers import linear_int4
+from chunkserve.model.layers.dense_gemm import DenseWeight
+from chunkserve.model.layers.linear import Int8Linear
+from chunkserve.model.layers.linear_int4 import Int4Linear
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from engine_speed import median_time  # noqa: E402

@@ -29,15 +29,23 @@ from typing import Any
 import numpy as np
 import torch
 
-from chunkserve.model import cpu_kernel
-from chunkserve.model.attention import FP8_BY_NAME
+from chunkserve.model.kernels import cpu_library
+from chunkserve.model.attention.backend import FP8_BY_NAME
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from host import cpu_model  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-KERNEL_DIR = "chunkserve/model/cpu_kernels"
+KERNEL_DIR = "chunkserve/model/kernels/csrc"
+OLD_KERNEL_DIR = "chunkserve/model/cpu_kernels"  # where the sources lived before model/ by role
+
+
+def kernel_dir_at(rev: str) -> str:
+    """The kernel folder's path in commit `rev` (it moved once)."""
+    found = subprocess.run(["git", "cat-file", "-e", f"{rev}:{KERNEL_DIR}"], cwd=REPO,
+                           capture_output=True)
+    return KERNEL_DIR if found.returncode == 0 else OLD_KERNEL_DIR
 
 
 KV_DTYPES = {"bfloat16": torch.bfloat16, "fp8_e4m3": FP8_BY_NAME["fp8_e4m3"],
@@ -54,13 +62,13 @@ def compile_kernel(source_dir: str, out_dir: str, source: str = "paged_decode.c"
     so = os.path.join(out_dir, source.replace(".c", ".so"))
     sources = [os.path.join(source_dir, n) for n in (source, "storage.c")
                if os.path.exists(os.path.join(source_dir, n))]
-    error = cpu_kernel.compile_shared("cc", sources, so)
+    error = cpu_library.compile_shared("cc", sources, so)
     if error:
         sys.exit(error)
     with open(sources[0]) as f:
         takes_kind = "kv_kind" in f.read()
     fn = getattr(ctypes.CDLL(so), symbol)
-    argtypes = list(argtypes or cpu_kernel.ARGTYPES)
+    argtypes = list(argtypes or cpu_library.ARGTYPES)
     fn.argtypes = argtypes if takes_kind else argtypes[:kv_kind_at] + argtypes[kv_kind_at + 1:]
     fn.restype = ctypes.c_int
     if takes_kind:
@@ -70,10 +78,11 @@ def compile_kernel(source_dir: str, out_dir: str, source: str = "paged_decode.c"
 
 def baseline_sources(rev: str, out_dir: str) -> str:
     """The kernel folder as of `rev`, written under out_dir."""
-    names = subprocess.run(["git", "ls-tree", "--name-only", f"{rev}:{KERNEL_DIR}"], cwd=REPO,
+    folder = kernel_dir_at(rev)
+    names = subprocess.run(["git", "ls-tree", "--name-only", f"{rev}:{folder}"], cwd=REPO,
                            check=True, capture_output=True, text=True).stdout.split()
     for name in names:
-        blob = subprocess.run(["git", "show", f"{rev}:{KERNEL_DIR}/{name}"], cwd=REPO,
+        blob = subprocess.run(["git", "show", f"{rev}:{folder}/{name}"], cwd=REPO,
                               check=True, capture_output=True).stdout
         with open(os.path.join(out_dir, name), "wb") as f:
             f.write(blob)
@@ -122,7 +131,7 @@ class Step:
 
     def run(self, fn: Callable[..., int], out: torch.Tensor, this_tree: bool) -> float:
         dtype = self.kv_dtypes[this_tree]
-        kind = cpu_kernel.STORAGE_KINDS[dtype]
+        kind = cpu_library.STORAGE_KINDS[dtype]
         t0 = time.perf_counter()
         for caches, table in self.layers:
             kc, vc = caches[this_tree]
@@ -156,7 +165,8 @@ def main() -> None:
     if len(names) > 2 or any(n not in KV_DTYPES for n in names):
         sys.exit(f"--kv-dtype: one or two (BASELINE:THIS_TREE) of {', '.join(KV_DTYPES)}")
     if names[0] != "bfloat16":
-        source = subprocess.run(["git", "show", f"{args.baseline}:{KERNEL_DIR}/paged_decode.c"],
+        source = subprocess.run(["git", "show",
+                                 f"{args.baseline}:{kernel_dir_at(args.baseline)}/paged_decode.c"],
                                 cwd=REPO, check=True, capture_output=True, text=True).stdout
         if "kv_kind" not in source:
             sys.exit(f"{args.baseline}'s kernel reads bfloat16 caches only")

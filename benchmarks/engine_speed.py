@@ -33,7 +33,7 @@ import torch
 
 from chunkserve.engine.llm_engine import LLMEngine
 from chunkserve.model.factory import LoadedModel, load_model, resolve_dtype
-from chunkserve.model.dense_gemm import DenseWeight
+from chunkserve.model.layers.dense_gemm import DenseWeight
 from chunkserve.sampling_params import SamplingParams
 from host import cpu_model
 

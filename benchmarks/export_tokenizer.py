@@ -13,9 +13,9 @@ import gzip
 import json
 import os
 
-from chunkserve.model.gguf_tokenizer import load_gguf_tokenizer
-from chunkserve.model.loader import resolve_model_path
-from chunkserve.model.tokenizer import BUNDLED_TOKENIZER_DIR
+from chunkserve.tokenizer.gguf_vocab import load_gguf_tokenizer
+from chunkserve.model.loaders.source import resolve_model_path
+from chunkserve.tokenizer.tokenizer import BUNDLED_TOKENIZER_DIR
 
 
 def main() -> None:

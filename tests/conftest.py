@@ -37,7 +37,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="session")
 def smollm2_path() -> str:
-    from chunkserve.model.loader import resolve_model_path
+    from chunkserve.model.loaders.source import resolve_model_path
 
     return resolve_model_path("smollm2-135m")
 

@@ -14,33 +14,31 @@ from chunkserve import LLM, SamplingParams
 from chunkserve.engine.trace import read_trace
 from chunkserve.cli import main
 from chunkserve.engine.cuda_graph import CUDAGraphRunner, capture_sizes
-from chunkserve.model.attention_select import make_attention_backend
-from chunkserve.model.llama_config import LlamaConfig
+from chunkserve.model.attention.select import make_attention_backend
 
-TINY = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                   num_attention_heads=4, num_key_value_heads=2)
+TINY = (4, 2, 8)  # heads, kv_heads, head_dim
 CPU = torch.device("cpu")
 
 
 def test_auto_is_the_batched_kernel_on_the_cpu():
-    assert make_attention_backend("auto", TINY, CPU).name == "cpu"
+    assert make_attention_backend("auto", *TINY, CPU).name == "cpu"
 
 
 def test_auto_falls_back_to_torch_when_the_kernel_cannot_build(monkeypatch, caplog):
-    from chunkserve.model import cpu_kernel
+    from chunkserve.model.kernels import cpu_library
 
     def no_compiler() -> str:
-        raise cpu_kernel.KernelBuildError("found no C compiler")
+        raise cpu_library.KernelBuildError("found no C compiler")
 
-    monkeypatch.setattr(cpu_kernel, "load", no_compiler)
-    assert make_attention_backend("auto", TINY, CPU).name == "torch"
+    monkeypatch.setattr(cpu_library, "load", no_compiler)
+    assert make_attention_backend("auto", *TINY, CPU).name == "torch"
     assert "no C compiler" in caplog.text and "Falling back" in caplog.text
 
 
 def test_triton_on_a_cpu_without_the_interpreter_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
-        make_attention_backend("triton", TINY, CPU)
+        make_attention_backend("triton", *TINY, CPU)
 
 
 def test_triton_not_installed_is_a_clear_error(monkeypatch):
@@ -48,7 +46,7 @@ def test_triton_not_installed_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "triton" else real(name, *a))
     with pytest.raises(ValueError, match="needs the triton package"):
-        make_attention_backend("triton", TINY, CPU)
+        make_attention_backend("triton", *TINY, CPU)
 
 
 def test_cli_reports_triton_on_cpu_without_traceback(monkeypatch, capsys, tiny_model_dir):

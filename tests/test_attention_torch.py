@@ -6,8 +6,8 @@ import pytest
 import torch
 from attention_cases import DECODES, FIRST_CHUNKS, LATER_CHUNKS, MIXED, make_layout, run_step
 
-from chunkserve.model.attention import causal_mask
-from chunkserve.model.attention_torch import TorchPagedAttention
+from chunkserve.model.attention.backend import causal_mask
+from chunkserve.model.attention.torch_backend import TorchPagedAttention
 
 LONG_AFTER_PREFIX = [(600, 300), (37, 500), (1, 2)]  # chunks after prefixes of every size
 

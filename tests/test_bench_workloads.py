@@ -13,7 +13,7 @@ from chunkserve.benchlib.workloads import BenchRequest, arrival_times, sample_re
 
 @pytest.fixture(scope="module")
 def tokenizer(smollm2_path: str):  # type: ignore[no-untyped-def]
-    from chunkserve.model.tokenizer import load_tokenizer
+    from chunkserve.tokenizer.tokenizer import load_tokenizer
 
     return load_tokenizer(smollm2_path)
 

@@ -12,15 +12,15 @@ LONG_DECODES = [(299, 1), (700, 1), (255, 1), (256, 1), (511, 1), (0, 1), (40, 3
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from chunkserve.model import cpu_kernel
-from chunkserve.model.attention_cpu import CpuPagedAttention
-from chunkserve.model.attention_torch import TorchPagedAttention
+from chunkserve.model.kernels import cpu_library
+from chunkserve.model.attention.cpu_backend import CpuPagedAttention
+from chunkserve.model.attention.torch_backend import TorchPagedAttention
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU backend's tests")
 def _chunk_kernel_here() -> bool:
     try:
-        return cpu_kernel.load_chunk_bf16(64) is not None
-    except cpu_kernel.KernelBuildError:  # no compiler: the build tests below say so
+        return cpu_library.load_chunk_bf16(64) is not None
+    except cpu_library.KernelBuildError:  # no compiler: the build tests below say so
         return False
 
 
@@ -70,7 +70,7 @@ def test_cpu_backend_matches_torch_random_batches(spec, block_size, group, seed)
 def test_kernel_runs_on_pytorchs_openmp_runtime():
     """One libgomp in the process: the kernel's threads are PyTorch's, not a second pool that
     would spin against it."""
-    cpu_kernel.load()
+    cpu_library.load()
     with open("/proc/self/maps") as f:
         gomp = {line.split()[-1] for line in f if "libgomp" in line}
     assert len(gomp) == 1, gomp
@@ -79,7 +79,7 @@ def test_kernel_runs_on_pytorchs_openmp_runtime():
 def test_loading_the_kernels_leaves_the_float_state_alone():
     """Built with -ffast-math, but linked without it: GCC would otherwise add crtfastmath.o,
     which sets flush-to-zero for the whole process on load (a float32 subnormal would read 0)."""
-    cpu_kernel.library()
+    cpu_library.library()
     assert (torch.tensor([1e-39]) * 2).item() != 0.0
     assert 5e-324 * 2 != 0.0
 
@@ -87,17 +87,17 @@ def test_loading_the_kernels_leaves_the_float_state_alone():
 def test_no_compiler_is_a_clear_error(monkeypatch, tmp_path):
     monkeypatch.setenv("CHUNKSERVE_CACHE_DIR", str(tmp_path))  # nothing built there yet
     monkeypatch.setenv("CC", "")
-    monkeypatch.setattr(cpu_kernel.shutil, "which", lambda name: None)
-    with pytest.raises(cpu_kernel.KernelBuildError, match="no C compiler"):
-        cpu_kernel._compiler()
+    monkeypatch.setattr(cpu_library.shutil, "which", lambda name: None)
+    with pytest.raises(cpu_library.KernelBuildError, match="no C compiler"):
+        cpu_library._compiler()
 
 
 def test_build_is_cached_by_source_and_cpu(monkeypatch, tmp_path):
     monkeypatch.setenv("CHUNKSERVE_CACHE_DIR", str(tmp_path))
-    cc = cpu_kernel._compiler()
-    first = cpu_kernel._build(cc)
+    cc = cpu_library._compiler()
+    first = cpu_library._build(cc)
     mtime = os.path.getmtime(first)
-    assert cpu_kernel._build(cc) == first and os.path.getmtime(first) == mtime  # not rebuilt
+    assert cpu_library._build(cc) == first and os.path.getmtime(first) == mtime  # not rebuilt
     assert os.listdir(os.path.dirname(first)) == [os.path.basename(first)]  # no temp files left
 
 
@@ -218,21 +218,18 @@ def test_unwritable_cache_is_a_clear_error(monkeypatch, tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")  # a file where the cache folder should go
     monkeypatch.setenv("CHUNKSERVE_CACHE_DIR", str(blocker))
-    with pytest.raises(cpu_kernel.KernelBuildError, match="cannot write"):
-        cpu_kernel._build(cpu_kernel._compiler())
+    with pytest.raises(cpu_library.KernelBuildError, match="cannot write"):
+        cpu_library._build(cpu_library._compiler())
 
 
 def test_explicit_cpu_backend_without_a_kernel_is_a_value_error(monkeypatch):
     """`--attention-backend cpu` where the kernel cannot build: a message, not a traceback (the
     command line reports ValueErrors)."""
-    from chunkserve.model.attention_select import make_attention_backend
-    from chunkserve.model.llama_config import LlamaConfig
+    from chunkserve.model.attention.select import make_attention_backend
 
     def no_compiler() -> None:
-        raise cpu_kernel.KernelBuildError("found no C compiler")
+        raise cpu_library.KernelBuildError("found no C compiler")
 
-    monkeypatch.setattr(cpu_kernel, "load", no_compiler)
-    tiny = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                       num_attention_heads=4, num_key_value_heads=2)
+    monkeypatch.setattr(cpu_library, "load", no_compiler)
     with pytest.raises(ValueError, match="no C compiler"):
-        make_attention_backend("cpu", tiny, torch.device("cpu"))
+        make_attention_backend("cpu", 4, 2, 8, torch.device("cpu"))

@@ -12,11 +12,11 @@ import gguf
 import pytest
 import torch
 
-from chunkserve.model import loader
-from chunkserve.model.dummy import INIT_STD, dummy_weights
-from chunkserve.model.llama_config import LlamaConfig
-from chunkserve.model.loader import expected_shapes, load_source, load_source_tokenizer
-from chunkserve.model.tokenizer import (
+from chunkserve.model.loaders import source
+from chunkserve.model.loaders.dummy import INIT_STD, dummy_weights
+from chunkserve.model.models.config import LlamaConfig
+from chunkserve.model.loaders.source import expected_shapes, load_source, load_source_tokenizer
+from chunkserve.tokenizer.tokenizer import (
     BUNDLED_TOKENIZER_DIR,
     Tokenizer,
     load_bundled_tokenizer,
@@ -195,7 +195,7 @@ def test_ids_past_the_tokenizer_decode_to_nothing(monkeypatch: pytest.MonkeyPatc
     # A preset may have more ids than the bundled tokenizer (llama-3-8b: 128256 vs 49152); the
     # engine must sample them and stream their (empty) text without failing.
     wide = {**model_preset("tiny-llama"), "vocab_size": 80000}
-    monkeypatch.setattr(loader, "model_preset", lambda name: dict(wide))
+    monkeypatch.setattr(source, "model_preset", lambda name: dict(wide))
     llm = _llm()
     params = SamplingParams(max_tokens=24, temperature=1.0, seed=3, ignore_eos=True)
     out = llm.generate("Once upon a time", params)[0].outputs[0]

@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 from chunkserve import LLM, SamplingParams
 from chunkserve.config import FP8_KV_CACHE_DTYPES, EngineConfig
 from chunkserve.engine.model_runner import kv_bytes_per_block, kv_cache_dtype
-from chunkserve.model.attention import FP8_BY_NAME
-from chunkserve.model.attention_cpu import CpuPagedAttention
-from chunkserve.model.attention_torch import TorchPagedAttention
+from chunkserve.model.attention.backend import FP8_BY_NAME
+from chunkserve.model.attention.cpu_backend import CpuPagedAttention
+from chunkserve.model.attention.torch_backend import TorchPagedAttention
 from chunkserve.model.batch import DeviceStager
 from chunkserve.model.factory import load_model
 from test_token_identity import _prompts

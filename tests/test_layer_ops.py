@@ -4,9 +4,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from chunkserve.model import cpu_kernel, layer_ops
-from chunkserve.model.layer_ops import CpuLayerOps, TorchLayerOps, make_layer_ops
-from chunkserve.model.layers import RotaryEmbedding
+from chunkserve.model.kernels import cpu_library
+from chunkserve.model.layers import layer_ops
+from chunkserve.model.layers.layer_ops import CpuLayerOps, TorchLayerOps, make_layer_ops
+from chunkserve.model.layers.rotary import RotaryEmbedding
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU kernels' tests")
 
@@ -60,9 +61,9 @@ def test_silu_and_mul(rows, dtype):
 
 def test_without_a_compiler_the_model_uses_pytorchs_ops(monkeypatch, caplog):
     def no_build() -> None:
-        raise cpu_kernel.KernelBuildError("no C compiler here")
+        raise cpu_library.KernelBuildError("no C compiler here")
 
-    monkeypatch.setattr(layer_ops.cpu_kernel, "library", no_build)
+    monkeypatch.setattr(layer_ops.cpu_library, "library", no_build)
     assert isinstance(make_layer_ops(torch.device("cpu")), TorchLayerOps)
     assert "no C compiler here" in caplog.text
     assert make_layer_ops(torch.device("cpu")).name == "torch"

@@ -1,11 +1,12 @@
 """The import direction between packages (README, "How the code is laid out"), enforced.
 
     core ← engine ← (serve, bench);  benchlib ← (bench, sim);  sim ← bench;
-    (sim, benchlib, diagnose) ← tune
+    (sim, benchlib, diagnose) ← tune;  tokenizer ← model ← engine
 
 `core` is pure Python; `model` never imports `engine`; `sim` runs the engine with a cost model
-and never imports `model/` or `bench/` (real measurement lives with the benches). Every import
-counts, function-level ones included: a lazy import is still an arrow.
+and never imports `model/` or `bench/` (real measurement lives with the benches). Inside
+`model/`, its sub-packages are layered by role too (MODEL_ALLOWED). Every import counts,
+function-level ones included: a lazy import is still an arrow.
 """
 from __future__ import annotations
 
@@ -16,20 +17,37 @@ from collections import defaultdict
 import chunkserve
 
 ROOT = pathlib.Path(chunkserve.__file__).parent
-LEAVES = {"config", "sampling_params", "outputs", "presets"}  # top-level modules, no arrows out
+# Top-level modules with no arrows out.
+LEAVES = {"config", "sampling_params", "outputs", "presets", "gguf_file"}
 ALLOWED = {
     "core": {"config", "sampling_params"},
-    "model": {"config", "presets"},
+    # The tokenizer (and chat template) reads model files but no weights.
+    "tokenizer": {"presets", "gguf_file"},
+    "model": {"config", "presets", "tokenizer", "gguf_file"},
     "engine": {"core", "model", "config", "sampling_params", "outputs"},
     "benchlib": {"core", "engine", "config", "sampling_params", "outputs"},
     "sim": {"benchlib", "core", "engine", "config", "sampling_params", "outputs", "presets"},
-    "serve": {"core", "engine", "model", "config", "sampling_params", "outputs", "__init__"},
-    "bench": {"benchlib", "sim", "core", "engine", "model", "config", "sampling_params",
-              "outputs", "presets"},
+    "serve": {"core", "engine", "model", "tokenizer", "config", "sampling_params", "outputs",
+              "__init__"},
+    "bench": {"benchlib", "sim", "core", "engine", "model", "tokenizer", "config",
+              "sampling_params", "outputs", "presets"},
     # diagnose reads step traces; tune searches on the simulator and explains with diagnose.
     "diagnose": {"engine", "config"},
     "tune": {"sim", "benchlib", "diagnose", "core", "engine", "config", "presets"},
     **{leaf: set() for leaf in LEAVES},
+}
+# model/ by role: kernels (C and Triton sources, their builders) at the bottom; linear formats
+# and layer ops, and attention backends, over them; the architectures over those; the loaders
+# read checkpoints into an architecture's names. `batch` (a step's flat arrays) is read by the
+# attention backends; `factory` (load_model) at the top assembles it all.
+MODEL_ALLOWED = {
+    "kernels": set(),
+    "batch": set(),
+    "layers": {"kernels"},
+    "attention": {"kernels", "batch"},
+    "models": {"layers", "attention", "batch"},
+    "loaders": {"models"},
+    "factory": {"models", "loaders", "attention", "layers", "kernels", "batch"},
 }
 
 
@@ -77,6 +95,25 @@ def test_packages_import_only_downwards() -> None:
         for target in targets:
             dst = _package(target)
             if dst != src and dst not in ALLOWED[src]:
+                bad.append(f"{module} imports {target}")
+    assert not bad, "\n".join(sorted(bad))
+
+
+def _model_part(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[1] == "model" else None
+
+
+def test_model_subpackages_import_only_downwards() -> None:
+    bad = []
+    for module, targets in _graph().items():
+        src = _model_part(module)
+        if src is None:
+            continue
+        assert src in MODEL_ALLOWED, f"{module}: a new part of model/ needs a row in MODEL_ALLOWED"
+        for target in targets:
+            dst = _model_part(target)
+            if dst is not None and dst != src and dst not in MODEL_ALLOWED[src]:
                 bad.append(f"{module} imports {target}")
     assert not bad, "\n".join(sorted(bad))
 

@@ -5,9 +5,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from chunkserve.model import dense_gemm
-from chunkserve.model.dense_gemm import DenseWeight
-from chunkserve.model.linear import DenseLinear
+from chunkserve.model.layers import dense_gemm
+from chunkserve.model.layers.dense_gemm import DenseWeight
+from chunkserve.model.layers.linear import DenseLinear
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

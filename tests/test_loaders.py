@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from chunkserve.model.loader import expected_shapes, load_weights, resolve_model_path
-from chunkserve.model.llama_config import LlamaConfig
+from chunkserve.model.loaders.source import expected_shapes, load_weights, resolve_model_path
+from chunkserve.model.models.config import LlamaConfig
 
 Q = gguf.GGMLQuantizationType
 

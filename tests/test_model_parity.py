@@ -9,7 +9,7 @@ import torch
 from chunkserve.engine.model_runner import ModelRunner
 from chunkserve.model.batch import BatchLayout
 from chunkserve.model.factory import LoadedModel, load_model
-from chunkserve.model.llama import LlamaModel
+from chunkserve.model.models.llama import LlamaModel
 
 
 def full_logits(model: LlamaModel, ids: list[int], chunk: int | None = None,
@@ -118,7 +118,7 @@ def test_llama3_rope_scaling_matches_transformers(tmp_path):
     """Llama-3.1 rope scaling: frequencies and logits equal transformers' on a random model."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from chunkserve.model.hf_loader import load_hf_dir
+    from chunkserve.model.loaders.safetensors import load_hf_dir
 
     config = LlamaConfig(
         vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,

@@ -230,7 +230,7 @@ def test_error_body_escapes_what_utf8_cannot_carry() -> None:
 
 
 def test_token_count_bound_never_exceeds_the_count() -> None:
-    from chunkserve.model.tokenizer import load_bundled_tokenizer
+    from chunkserve.tokenizer.tokenizer import load_bundled_tokenizer
     from chunkserve.serve.prompt_bound import TokenCountBound
 
     tok = load_bundled_tokenizer()

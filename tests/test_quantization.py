@@ -13,9 +13,9 @@ from test_model_parity import full_logits
 from chunkserve import LLM, SamplingParams
 from chunkserve.model import factory
 from chunkserve.model.factory import LoadedModel, load_model, resolve_quantization
-from chunkserve.model import group_gemm
-from chunkserve.model.linear import Int8Linear, TorchInt8, quantize_int8_groups
-from chunkserve.model.linear_int4 import Int4Linear, TorchInt4
+from chunkserve.model.layers import group_gemm
+from chunkserve.model.layers.linear import Int8Linear, TorchInt8, quantize_int8_groups
+from chunkserve.model.layers.linear_int4 import Int4Linear, TorchInt4
 
 CPU = torch.device("cpu")
 PROMPTS = [

@@ -8,9 +8,9 @@ from test_model_parity import full_logits
 from test_quantization import KERNELS, on_kernel
 
 from chunkserve.model.factory import LoadedModel, cpu_has_avx512_bf16, load_model
-from chunkserve.model.linear import Int8Linear, make_linear
-from chunkserve.model import group_gemm
-from chunkserve.model.linear_int4 import (GROUP, Int4Linear, dequantize_int4,
+from chunkserve.model.layers.linear import Int8Linear, make_linear
+from chunkserve.model.layers import group_gemm
+from chunkserve.model.layers.linear_int4 import (GROUP, Int4Linear, dequantize_int4,
                                           exact_int4, quantize_int4)
 
 PROMPTS = [

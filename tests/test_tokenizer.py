@@ -10,8 +10,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported 
 import gguf
 import pytest
 
-from chunkserve.model.loader import resolve_model_path
-from chunkserve.model.tokenizer import Tokenizer, load_tokenizer
+from chunkserve.model.loaders.source import resolve_model_path
+from chunkserve.tokenizer.tokenizer import Tokenizer, load_tokenizer
 
 TEXTS = [
     "Hello world",

@@ -17,8 +17,8 @@ from attention_cases import (  # noqa: E402
     DECODES, DEVICE, FIRST_CHUNKS, LATER_CHUNKS, MIXED, NUM_BLOCKS, make_layout, run_step,
 )
 
-from chunkserve.model.attention_torch import TorchPagedAttention  # noqa: E402
-from chunkserve.model.attention_triton import TritonPagedAttention  # noqa: E402
+from chunkserve.model.attention.torch_backend import TorchPagedAttention  # noqa: E402
+from chunkserve.model.attention.triton_backend import TritonPagedAttention  # noqa: E402
 from chunkserve.model.batch import DeviceStager  # noqa: E402
 
 def run_both(layout, heads: int, kv_heads: int, head_dim: int):  # type: ignore[no-untyped-def]

@@ -21,7 +21,7 @@ SCRIPT = textwrap.dedent('''
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from chunkserve.model import triton_kernels as tk
+    from chunkserve.model.kernels import triton_attention as tk
 
     def compile_kernel(fn, pointers, constexprs, arch, num_warps=4):
         types = {n: "i32" for n in fn.arg_names}

@@ -100,7 +100,7 @@ async def _first_model(session: aiohttp.ClientSession, base_url: str,
 
 
 def _load_tokenizer(candidates: list[str]) -> tuple[str, Any]:
-    from chunkserve.model.loader import load_source_tokenizer
+    from chunkserve.model.loaders.source import load_source_tokenizer
 
     errors = []
     for name in dict.fromkeys(c for c in candidates if c):

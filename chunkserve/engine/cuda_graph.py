@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from chunkserve.model.batch import BatchLayout, BatchTensors, DeviceStager
-from chunkserve.model.llama import LlamaModel
+from chunkserve.model.models.llama import LlamaModel
 
 MAX_CAPTURE_SIZE = 256  # larger decode batches run eagerly: launch overhead is amortized there
 

@@ -9,9 +9,9 @@ from chunkserve.engine.cuda_graph import CUDAGraphRunner, capture_sizes
 from chunkserve.engine.executor import RunnerOutput
 from chunkserve.engine.input_batch import build_layout, sample_rows
 from chunkserve.engine.sampler import Sampler, SamplingRow
-from chunkserve.model.attention import FP8_BY_NAME
+from chunkserve.model.attention.backend import FP8_BY_NAME
 from chunkserve.model.batch import BatchLayout, DeviceStager
-from chunkserve.model.llama import LlamaModel
+from chunkserve.model.models.llama import LlamaModel
 
 
 def kv_cache_dtype(model: LlamaModel, name: str = "auto") -> torch.dtype:

@@ -6,12 +6,12 @@ from functools import lru_cache
 
 import torch
 
-from chunkserve.model.attention_select import make_attention_backend
-from chunkserve.model.layer_ops import make_layer_ops
-from chunkserve.model.llama import LlamaModel
-from chunkserve.model.llama_config import LlamaConfig
-from chunkserve.model.loader import load_source
-from chunkserve.model.tokenizer import Tokenizer
+from chunkserve.model.attention.select import make_attention_backend
+from chunkserve.model.layers.layer_ops import make_layer_ops
+from chunkserve.model.models.llama import LlamaModel
+from chunkserve.model.models.config import LlamaConfig
+from chunkserve.model.loaders.source import load_source
+from chunkserve.tokenizer.tokenizer import Tokenizer
 
 
 @dataclass
@@ -108,7 +108,8 @@ def load_model(
         raise ValueError(
             f"max_model_len ({max_model_len}) is larger than the model's context length ({limit})."
         )
-    attention = make_attention_backend(attention_backend, config, dev)
+    attention = make_attention_backend(attention_backend, config.num_attention_heads,
+                                       config.num_key_value_heads, config.head_dim, dev)
     model = LlamaModel(
         config, weights, torch_dtype, max_positions=max_model_len, attention=attention,
         device=dev, quantization=quant, ops=make_layer_ops(dev),

@@ -12,7 +12,7 @@ import jinja2
 from fastapi import Request
 
 from chunkserve.engine.processor import EngineRequest, Processor
-from chunkserve.model.tokenizer import Tokenizer
+from chunkserve.tokenizer.tokenizer import Tokenizer
 from chunkserve.outputs import RequestOutput
 from chunkserve.sampling_params import INT64_MIN, SamplingParams
 from chunkserve.serve.async_engine import AsyncEngine, ShuttingDownError, Ticket

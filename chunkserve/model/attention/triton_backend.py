@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from chunkserve.model.batch import BatchTensors
-from chunkserve.model.triton_kernels import reshape_and_cache, unified_attention
+from chunkserve.model.kernels.triton_attention import reshape_and_cache, unified_attention
 
 
 class TritonPagedAttention:

@@ -1,4 +1,4 @@
-"""Builds and loads the CPU kernels (`cpu_kernels/*.c`: paged decode attention, bfloat16
+"""Builds and loads the CPU kernels (`kernels/csrc/*.c`: paged decode attention, bfloat16
 prefill-chunk attention, the int4/int8 GEMM for decode rows, a layer's small ops) with the C
 compiler, as one shared library.
 
@@ -20,7 +20,7 @@ from functools import cache
 
 import torch  # first: its libgomp.so.1 is the one the kernel must bind to
 
-SOURCE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_kernels")
+SOURCE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11"]
 # Linked apart, without -ffast-math: with it, GCC before 13 links crtfastmath.o into a shared
 # library too, whose constructor sets flush-to-zero / denormals-are-zero for the whole process
@@ -38,7 +38,7 @@ ARGTYPES = [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i
 CHUNK_ARGTYPES = [_ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64,
                   _i64, _i64, _f32, _i64]
 
-# How the kernels are told an array's storage (cpu_kernels/storage.h's KIND_*).
+# How the kernels are told an array's storage (kernels/csrc/storage.h's KIND_*).
 STORAGE_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2,
                  torch.float8_e5m2: 3}
 

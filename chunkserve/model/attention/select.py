@@ -7,9 +7,8 @@ import os
 
 import torch
 
-from chunkserve.model.attention import AttentionBackend
-from chunkserve.model.attention_torch import TorchPagedAttention
-from chunkserve.model.llama_config import LlamaConfig
+from chunkserve.model.attention.backend import AttentionBackend
+from chunkserve.model.attention.torch_backend import TorchPagedAttention
 
 logger = logging.getLogger(__name__)
 
@@ -38,34 +37,33 @@ def auto_backend(device: torch.device) -> str:
     runs, just slower); on the CPU the batched C kernel when it builds here, else torch."""
     if device.type == "cuda":
         return "triton" if importlib.util.find_spec("triton") is not None else "torch"
-    from chunkserve.model import cpu_kernel
+    from chunkserve.model.kernels import cpu_library
 
     try:
-        cpu_kernel.load()
-    except cpu_kernel.KernelBuildError as e:
+        cpu_library.load()
+    except cpu_library.KernelBuildError as e:
         logger.warning("%s Falling back to attention backend 'torch'.", e)
         return "torch"
     return "cpu"
 
 
-def make_attention_backend(name: str, config: LlamaConfig, device: torch.device) -> AttentionBackend:
+def make_attention_backend(name: str, heads: int, kv_heads: int, head_dim: int,
+                           device: torch.device) -> AttentionBackend:
     if name == "auto":
         name = auto_backend(device)
-    heads, kv_heads, head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
-    assert head_dim is not None
     if name == "torch":
         return TorchPagedAttention(heads, kv_heads, head_dim)
     if name == "cpu":
         if device.type != "cpu":
             raise ValueError("attention backend 'cpu' runs on the CPU; use triton or torch")
         # Imported here: building its kernel (a C compiler, cached on disk) is for CPU runs only.
-        from chunkserve.model.attention_cpu import CpuPagedAttention
+        from chunkserve.model.attention.cpu_backend import CpuPagedAttention
 
         return CpuPagedAttention(heads, kv_heads, head_dim)
     if name == "triton":
         check_triton(device)
         # Imported only here: importing triton is slow and the CPU path never needs it.
-        from chunkserve.model.attention_triton import TritonPagedAttention
+        from chunkserve.model.attention.triton_backend import TritonPagedAttention
 
         return TritonPagedAttention(heads, kv_heads, head_dim)
     raise ValueError(f"attention backend must be auto, cpu, torch or triton, got {name!r}.")

@@ -25,11 +25,11 @@ from typing import Protocol
 
 import torch
 
-from chunkserve.model import group_gemm
-from chunkserve.model.dense_gemm import DenseWeight
-from chunkserve.model.group_gemm import GROUP
-from chunkserve.model.linear_int4 import Int4Linear, exact_int4
-from chunkserve.model.quant_linear import QuantizedLinear
+from chunkserve.model.layers import group_gemm
+from chunkserve.model.layers.dense_gemm import DenseWeight
+from chunkserve.model.layers.group_gemm import GROUP
+from chunkserve.model.layers.linear_int4 import Int4Linear, exact_int4
+from chunkserve.model.layers.quant_linear import QuantizedLinear
 
 # Rows (tokens) up to which PyTorch's int8 kernel beats a GEMM on the dequantized (packed)
 # weight: measured over 30 layers of SmolLM2's shapes from DRAM, int8 9.8 ms vs bf16 10.6 at 8

@@ -8,7 +8,7 @@ from typing import Protocol
 
 import torch
 
-from chunkserve.model.dense_gemm import DenseWeight
+from chunkserve.model.layers.dense_gemm import DenseWeight
 
 
 class QuantKernel(Protocol):

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from chunkserve.model.llama_config import LlamaConfig
-from chunkserve.model.weight_shapes import expected_shapes
+from chunkserve.model.models.config import LlamaConfig
+from chunkserve.model.models.checkpoint import expected_shapes
 
 # HF's initializer_range for Llama. With unit RMSNorm weights each layer adds O(1) to the
 # float32 residual stream, so 80 layers stay far from bf16's range, and the logits (std ~1 for

@@ -1,24 +1,11 @@
-"""Small building blocks of a Llama decoder: RMSNorm, rotary embeddings, SwiGLU."""
+"""Rotary position embeddings: the inverse frequencies (with HF's `rope_scaling` types) and a
+cos/sin table indexed by position."""
 from __future__ import annotations
 
 import math
 from typing import Any
 
 import torch
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """RMSNorm computed in float32 (as HF does; `x` and `weight` are float32), returned in
-    `dtype`. PyTorch's fused kernel: one op where the spelled-out formula is five, and a decode
-    step runs 61 of them."""
-    out = torch.rms_norm(x, (x.shape[-1],), weight, eps)
-    return out if dtype == torch.float32 else out.to(dtype)
-
-
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    gate, up = gate_up.chunk(2, dim=-1)
-    return torch.nn.functional.silu(gate) * up
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:

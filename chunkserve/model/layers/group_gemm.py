@@ -1,4 +1,4 @@
-"""Weights quantized in groups of 32 inputs, multiplied by cpu_kernels/group_gemm_bf16.c: the
+"""Weights quantized in groups of 32 inputs, multiplied by kernels/csrc/group_gemm_bf16.c: the
 decode rows of int4 (GGUF Q4_1: levels 0..15, a scale and a minimum a group) and int8 (Q8_0:
 levels -127..127, a scale a group) layers on CPUs with AVX512_BF16.
 
@@ -14,14 +14,14 @@ import ctypes
 import torch
 import torch.nn.functional as F
 
-from chunkserve.model import cpu_kernel
+from chunkserve.model.kernels import cpu_library
 
 GROUP = 32  # GGUF's Q4_0 / Q4_1 / Q8_0 block size
 LANES = 16  # output channels per vector
 
 
 def available() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    return cpu_kernel.load_group_gemm()
+    return cpu_library.load_group_gemm()
 
 
 def fits_float16(*tensors: torch.Tensor) -> bool:

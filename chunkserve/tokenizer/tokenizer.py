@@ -10,8 +10,8 @@ from typing import Any, overload
 
 from tokenizers import Tokenizer as HFTokenizer
 
-from chunkserve.model.chat_template import render_chat_template
-from chunkserve.model.gguf_tokenizer import load_gguf_tokenizer
+from chunkserve.tokenizer.chat_template import render_chat_template
+from chunkserve.tokenizer.gguf_vocab import load_gguf_tokenizer
 from chunkserve.presets import DATA_DIR
 
 BUNDLED_TOKENIZER_DIR = os.path.join(DATA_DIR, "tokenizer")

@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from chunkserve.model.llama_config import LlamaConfig
+from chunkserve.model.models.config import LlamaConfig
 
 # model_types whose checkpoints are exactly Llama's tensors and maths (Mistral differs only by
 # its sliding window, handled below).

@@ -1,6 +1,6 @@
 /* y = x . W^T for weights quantized in groups of 32 along K, bfloat16 activations, on CPUs with
- * AVX512_BF16: the decode-sized GEMMs of int4 and int8 layers (model/linear_int4.py,
- * model/linear.py). Two formats, GGUF's blocks:
+ * AVX512_BF16: the decode-sized GEMMs of int4 and int8 layers (model/layers/linear_int4.py,
+ * model/layers/linear.py). Two formats, GGUF's blocks:
  *   int4 (Q4_1): w = minimum + level * scale, levels 0..15;
  *   int8 (Q8_0): w = scale * level, levels -127..127.
  *

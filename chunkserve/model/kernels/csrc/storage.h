@@ -3,7 +3,7 @@
  * the arithmetic is float32 (or bfloat16 products summed in float32). Rounding to bfloat16 is to
  * nearest even, as PyTorch's conversion; fp8 caches are written by PyTorch's conversion.
  *
- * The `kind` of an array is an int, as the Python side passes it (attention_cpu.py's
+ * The `kind` of an array is an int, as the Python side passes it (attention/cpu_backend.py's
  * STORAGE_KINDS): */
 #ifndef CHUNKSERVE_STORAGE_H
 #define CHUNKSERVE_STORAGE_H

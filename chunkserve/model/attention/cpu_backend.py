@@ -2,10 +2,10 @@
 one C kernel call per layer.
 
 Decodes — one query token each, most of a serving step's requests — go to
-`cpu_kernels/paged_decode.c` together, which reads K/V in place through the block table.
+`kernels/csrc/paged_decode.c` together, which reads K/V in place through the block table.
 Per-request SDPA costs ~0.15 ms of fixed overhead per call, plus a concatenation when a
 request's blocks are not consecutive; at 16 decodes that is most of the step. Prefill chunks
-go to `cpu_kernels/chunk_attention_bf16.c` (flash attention in AVX512_BF16, also in place) when
+go to `kernels/csrc/chunk_attention_bf16.c` (flash attention in AVX512_BF16, also in place) when
 the cache is bfloat16 and the CPU has those instructions: 2-3x PyTorch's fused SDPA there.
 Elsewhere (float32, AVX2 CPUs) chunks keep the torch backend's SDPA, one call per chunk
 (docs/performance.md has the measurements). Both kernels also read fp8 caches
@@ -19,9 +19,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from chunkserve.model import cpu_kernel
-from chunkserve.model.attention import FP8_DTYPES
-from chunkserve.model.attention_torch import TorchMetadata, TorchPagedAttention
+from chunkserve.model.kernels import cpu_library
+from chunkserve.model.attention.backend import FP8_DTYPES
+from chunkserve.model.attention.torch_backend import TorchMetadata, TorchPagedAttention
 from chunkserve.model.batch import BatchTensors
 
 
@@ -55,9 +55,9 @@ class CpuPagedAttention(TorchPagedAttention):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim)
         # Built (or found in the cache) at model load, not in the first step a user waits for.
-        self._kernel = cpu_kernel.load()
-        self._chunk_kernel = cpu_kernel.load_chunk_bf16(head_dim)  # None: chunks take SDPA
-        self._write_kv = cpu_kernel.library().write_kv
+        self._kernel = cpu_library.load()
+        self._chunk_kernel = cpu_library.load_chunk_bf16(head_dim)  # None: chunks take SDPA
+        self._write_kv = cpu_library.library().write_kv
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
         self._write_kv.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64]
         self._write_kv.restype = None
@@ -104,7 +104,7 @@ class CpuPagedAttention(TorchPagedAttention):
         self._write(k, v, k_cache, v_cache, meta)
         q = q.contiguous()
         out = torch.empty(q.shape[0], self.num_heads * self.head_dim, dtype=q.dtype)
-        kv_kind = cpu_kernel.STORAGE_KINDS[k_cache.dtype]
+        kv_kind = cpu_library.STORAGE_KINDS[k_cache.dtype]
         if meta.chunk_args and q.dtype == torch.bfloat16:
             assert self._chunk_kernel is not None
             failed = self._chunk_kernel(

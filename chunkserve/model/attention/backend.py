@@ -5,9 +5,9 @@ it — its prefill chunk or its single decode token. A backend first writes the 
 paged cache by slot mapping, then lets every query token attend over its request's cached
 tokens up to its own position (causal aligned to the bottom right: a chunk after a prefix sees
 the whole prefix). Backends:
-  - `torch` (attention_torch.py): SDPA per request over views of the cache; the CPU path and
+  - `torch` (torch_backend.py): SDPA per request over views of the cache; the CPU path and
     the reference the others are tested against.
-  - `triton` (attention_triton.py): one kernel launch per layer for the whole step, CUDA
+  - `triton` (triton_backend.py): one kernel launch per layer for the whole step, CUDA
     graph-safe; the GPU path (and the CPU one under TRITON_INTERPRET=1, for tests).
 """
 from __future__ import annotations

@@ -6,7 +6,7 @@ Q4_1 block (and Q4_0's, whose minimum is -8 scales): the default model's linear 
 Q4_1, so for them int4 is not a further approximation, unlike int8's one scale per channel;
 re-quantizing a dequantized Q4_1 tensor gives back its blocks (`exact_int4`). Decode rows
 (up to the kernel's `max_rows`) run an int4 kernel, which streams ~half of int8's bytes: on
-AVX512_BF16 CPUs our own (group_gemm.py, cpu_kernels/group_gemm_bf16.c), elsewhere PyTorch's
+AVX512_BF16 CPUs our own (group_gemm.py, kernels/csrc/group_gemm_bf16.c), elsewhere PyTorch's
 (`TorchInt4`, `_weight_int4pack_mm_for_cpu`); both take bfloat16 activations. Prefill rows,
 compute-bound, multiply a dense copy in the compute dtype, as `Int8Linear` does.
 """
@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from chunkserve.model import group_gemm
-from chunkserve.model.group_gemm import GROUP
-from chunkserve.model.quant_linear import QuantizedLinear
+from chunkserve.model.layers import group_gemm
+from chunkserve.model.layers.group_gemm import GROUP
+from chunkserve.model.layers.quant_linear import QuantizedLinear
 
 LEVELS = 15
 # Rows up to which the C kernel (group_gemm.py) beats the packed dense GEMM

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from chunkserve.model.gguf_loader import gguf_field, open_gguf
+from chunkserve.gguf_file import gguf_field, open_gguf
 
 logger = logging.getLogger(__name__)
 

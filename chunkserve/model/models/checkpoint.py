@@ -5,7 +5,7 @@ dummy loader builds random weights from it.
 """
 from __future__ import annotations
 
-from chunkserve.model.llama_config import LlamaConfig
+from chunkserve.model.models.config import LlamaConfig
 
 
 def expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:

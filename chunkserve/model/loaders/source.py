@@ -7,12 +7,12 @@ import os
 import torch
 
 from chunkserve.config import LOAD_FORMATS
-from chunkserve.model.dummy import dummy_weights
-from chunkserve.model.gguf_loader import load_gguf, read_gguf_config
-from chunkserve.model.hf_loader import load_hf_dir, read_hf_config
-from chunkserve.model.llama_config import LlamaConfig
-from chunkserve.model.tokenizer import Tokenizer, load_bundled_tokenizer, load_tokenizer
-from chunkserve.model.weight_shapes import expected_shapes
+from chunkserve.model.loaders.dummy import dummy_weights
+from chunkserve.model.loaders.gguf import load_gguf, read_gguf_config
+from chunkserve.model.loaders.safetensors import load_hf_dir, read_hf_config
+from chunkserve.model.models.config import LlamaConfig
+from chunkserve.tokenizer.tokenizer import Tokenizer, load_bundled_tokenizer, load_tokenizer
+from chunkserve.model.models.checkpoint import expected_shapes
 from chunkserve.presets import model_preset, model_preset_names
 
 DEFAULT_MODEL = "smollm2-135m"

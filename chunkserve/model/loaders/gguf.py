@@ -6,16 +6,15 @@ order that llama.cpp's converter rewrites.
 """
 from __future__ import annotations
 
-import os
-from functools import lru_cache
 from typing import Any
 
 import gguf
 import numpy as np
 import torch
 
-from chunkserve.model.gguf_rope import rope_scaling_from_metadata
-from chunkserve.model.llama_config import LlamaConfig
+from chunkserve.gguf_file import gguf_field, open_gguf
+from chunkserve.model.loaders.gguf_rope import rope_scaling_from_metadata
+from chunkserve.model.models.config import LlamaConfig
 
 GGMLType = gguf.GGMLQuantizationType
 
@@ -45,25 +44,6 @@ _LAYER_NAMES = {
 }
 # Not weights: llama.cpp stores Llama-3 rope scaling as a precomputed tensor; it becomes config.
 _ROPE_FREQS = "rope_freqs.weight"
-
-
-def open_gguf(path: str) -> gguf.GGUFReader:
-    """The parsed file, shared by the config, weight and tokenizer readers: parsing the metadata
-    of a 49k-token vocabulary takes seconds, and every model load reads the file twice. The
-    reader only memory-maps the file, so keeping it costs no RAM; a changed file is re-read."""
-    stat = os.stat(path)
-    return _open_gguf(os.path.abspath(path), stat.st_mtime_ns, stat.st_size)
-
-
-@lru_cache(maxsize=2)
-def _open_gguf(path: str, mtime_ns: int, size: int) -> gguf.GGUFReader:
-    return gguf.GGUFReader(path)
-
-
-def gguf_field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
-    """The value of a metadata key as a Python value (str, int, float, bool or list)."""
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
 
 
 def _f32(value: float) -> float:

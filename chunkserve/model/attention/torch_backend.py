@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from chunkserve.model.attention import FP8_DTYPES, block_runs, causal_mask
+from chunkserve.model.attention.backend import FP8_DTYPES, block_runs, causal_mask
 from chunkserve.model.batch import BatchTensors
 
 

@@ -10,13 +10,13 @@ from typing import Any
 
 import torch
 
-from chunkserve.model.attention import AttentionBackend
-from chunkserve.model.attention_torch import TorchPagedAttention
-from chunkserve.model.layer_ops import LayerOps, TorchLayerOps
-from chunkserve.model.layers import RotaryEmbedding
-from chunkserve.model.linear import Linear, make_linear
-from chunkserve.model.linear_int4 import Int4Linear
-from chunkserve.model.llama_config import LlamaConfig
+from chunkserve.model.attention.backend import AttentionBackend
+from chunkserve.model.attention.torch_backend import TorchPagedAttention
+from chunkserve.model.layers.layer_ops import LayerOps, TorchLayerOps
+from chunkserve.model.layers.rotary import RotaryEmbedding
+from chunkserve.model.layers.linear import Linear, make_linear
+from chunkserve.model.layers.linear_int4 import Int4Linear
+from chunkserve.model.models.config import LlamaConfig
 
 
 def _take(w: dict[str, torch.Tensor], name: str, dtype: torch.dtype, device: torch.device):  # type: ignore[no-untyped-def]
