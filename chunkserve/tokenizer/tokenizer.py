@@ -177,9 +177,14 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             **kwargs: Any) -> str:
-        """The prompt text for a chat; extra keyword arguments (tools, ...) reach the template."""
+        """The prompt text for a chat; extra keyword arguments (tools, enable_thinking, ...) reach
+        the template."""
         if self._chat_template is None:
             raise ValueError("this model has no chat template; send a plain completion prompt instead.")
+        # As transformers: keys whose value is None are dropped (OpenAI clients send
+        # `"content": null` beside tool_calls), templates handle a missing key, not a None.
+        messages = [{k: v for k, v in m.items() if v is not None} if isinstance(m, dict) else m
+                    for m in messages]
         variables = {"bos_token": self._token_str(self._bos_id),
                      "eos_token": self._token_str(self._eos_id), **kwargs}
         return render_chat_template(self._chat_template, messages, add_generation_prompt, **variables)
