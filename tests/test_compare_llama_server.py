@@ -4,8 +4,8 @@ from __future__ import annotations
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-import compare_llama_server as cmp  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # the repository root
+from benchmarks.serving import compare_llama_server as cmp  # noqa: E402
 
 
 def _result(throughput: float, itl_p50: float, completed: int = 48, rate: object = "inf") -> dict:

@@ -1,6 +1,6 @@
 """On a CUDA GPU: parity with HF transformers, token identity, CUDA graphs vs eager.
 
-Skipped without a GPU (the `cuda` marker); `benchmarks/gpu_check.py` runs them on one. They
+Skipped without a GPU (the `cuda` marker); `benchmarks/gpu/gpu_check.py` runs them on one. They
 need no model file: a tiny random Llama is built with transformers and saved with the
 tokenizer bundled in chunkserve, so they run on a machine that has only this repository.
 """

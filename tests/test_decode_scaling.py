@@ -1,12 +1,12 @@
-"""decode_scaling.py's parsing of llama-batched-bench and its table, on recorded output (no build,
-no run)."""
+"""benchmarks/engine/decode_scaling.py's parsing of llama-batched-bench and its table, on
+recorded output (no build, no run)."""
 from __future__ import annotations
 
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-import decode_scaling as ds  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # the repository root
+from benchmarks.engine import decode_scaling as ds  # noqa: E402
 
 # llama-batched-bench's output on a Zen 5 (2026-12-02), log lines around the table kept.
 RECORDED = """

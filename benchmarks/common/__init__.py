@@ -1,0 +1,2 @@
+"""Helpers shared by the benchmarks, not benchmarks themselves: the host's CPU (host.py) and
+wall-clock timing (timing.py)."""

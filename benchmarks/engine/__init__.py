@@ -1,0 +1,1 @@
+"""Whole engine steps in one process: speed against a roofline, configurations, A/B runs."""

@@ -1,0 +1,1 @@
+"""The one check to run on a CUDA machine."""

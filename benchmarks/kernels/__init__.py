@@ -1,0 +1,1 @@
+"""The CPU C kernels and GEMM formats called directly, outside the engine."""

@@ -1,0 +1,197 @@
+"""chunkserve against llama.cpp's llama-server on this CPU: same GGUF, same client, one run.
+
+Both engines serve SmolLM2's GGUF on free loopback ports, one at a time (the machine has two
+cores; the other engine is stopped), each restarted fresh for every measurement, and
+`chunkserve bench serve` drives them with the article's mixed workload (streaming, ignore_eos,
+fixed seed, so the same prompts in the same order):
+  1. capacity, closed loop: --max-concurrency 16, 48 requests, all queued at once;
+  2. open loop at 70% of llama-server's measured capacity (Poisson arrivals), 30 requests.
+It writes `comparison.json` (every bench serve result, the CPU, the commands) and
+`comparison.md` (the side-by-side table) to --out.
+
+    .venv/bin/python benchmarks/serving/compare_llama_server.py --out DIR [--peer-args=--no-repack]
+
+llama-server is built once into a cache folder by llama_server_build.py (~15 min on 2 cores).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Sequence
+from typing import Any
+
+# The repository root, so that `benchmarks.*` imports when this file runs as a script.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from benchmarks.common.host import cpu_info  # noqa: E402
+from benchmarks.serving.llama_server_build import DEFAULT_CACHE, build  # noqa: E402
+
+ENGINES = ("chunkserve", "llama-server")
+PEER = "llama-server"  # the open-loop rate is set from its capacity
+WORKLOAD = ["--dataset-name", "mixed", "--seed", "0", "--ignore-eos"]
+# What the table shows, in order: (label, bench serve JSON key, unit scale).
+ROWS = [
+    ("capacity (req/s)", "request_throughput", 1.0),
+    ("output tok/s", "output_throughput", 1.0),
+    ("TTFT p50 (ms)", "median_ttft_ms", 1.0),
+    ("TTFT p99 (ms)", "p99_ttft_ms", 1.0),
+    ("ITL p50 (ms)", "median_itl_ms", 1.0),
+    ("ITL p99 (ms)", "p99_itl_ms", 1.0),
+    ("max token gap (ms)", "max_itl_ms", 1.0),
+    ("TPOT p99 (ms)", "p99_tpot_ms", 1.0),
+    ("E2E p50 (ms)", "median_e2el_ms", 1.0),
+    ("failed requests", "failed", 1.0),
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def server_command(engine: str, port: int, gguf: str, binary: str | None,
+                   peer_args: Sequence[str] = ()) -> list[str]:
+    if engine == "chunkserve":  # exactly what `make serve` runs, on another port
+        return [sys.executable, "-m", "chunkserve.cli", "serve", "--model", "smollm2-135m",
+                "--host", "127.0.0.1", "--port", str(port)]
+    assert binary is not None
+    # 16 slots of 4608 tokens: room for the longest mixed request (4096 + 128) in every slot.
+    return [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "--parallel", "16",
+            "-t", "2", "-c", "73728", *peer_args]
+
+
+def wait_healthy(port: int, proc: subprocess.Popen, timeout: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server on port {port} exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(1.0)
+    raise RuntimeError(f"server on port {port} not healthy after {timeout:.0f} s")
+
+
+def bench(engine: str, port: int, out_dir: str, name: str, traffic: Sequence[str],
+          num_prompts: int) -> dict[str, Any]:
+    """One `chunkserve bench serve` run; returns its saved result JSON."""
+    filename = f"{engine}-{name}.json"
+    cmd = [sys.executable, "-m", "chunkserve.cli", "bench", "serve", "--port", str(port),
+           "--model", "smollm2-135m", "--tokenizer", "smollm2-135m", *WORKLOAD,
+           "--num-prompts", str(num_prompts), *traffic, "--metric-percentiles", "50,99",
+           "--percentile-metrics", "ttft,tpot,itl,e2el", "--save-result", "--result-dir",
+           out_dir, "--result-filename", filename, "--disable-tqdm"]
+    subprocess.run(cmd, check=True)
+    with open(os.path.join(out_dir, filename)) as f:
+        result = json.load(f)
+    result["command"] = " ".join(cmd[1:])
+    return result
+
+
+def measure(engine: str, gguf: str, binary: str | None, out_dir: str, name: str,
+            traffic: Sequence[str], num_prompts: int, peer_args: Sequence[str] = ()
+            ) -> dict[str, Any]:
+    """Starts the engine fresh, runs one bench, stops it."""
+    port = free_port()
+    log = open(os.path.join(out_dir, f"{engine}-{name}.log"), "w")
+    proc = subprocess.Popen(server_command(engine, port, gguf, binary, peer_args), stdout=log,
+                            stderr=subprocess.STDOUT)
+    try:
+        wait_healthy(port, proc)
+        return bench(engine, port, out_dir, name, traffic, num_prompts)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+def side_by_side(results: dict[str, dict[str, dict[str, Any]]]) -> str:
+    """The markdown table: one section per phase, one column per engine, chunkserve/peer."""
+    lines = []
+    for phase, title in (("capacity", "closed loop, 16 concurrent"),
+                         ("open-loop", "open loop at 70% of llama-server's capacity")):
+        first = results[ENGINES[0]][phase]
+        lines += [f"**{phase}** ({title}, {first['num_prompts']} requests"
+                  + (f", {first['request_rate']} req/s" if phase == "open-loop" else "") + ")", "",
+                  "| metric | chunkserve | llama-server | chunkserve / llama-server |",
+                  "|---|---:|---:|---:|"]
+        for label, key, scale in ROWS:
+            a, b = (results[e][phase].get(key) for e in ENGINES)
+            if a is None or b is None:
+                continue
+            ratio = f"{a / b:.2f}" if b else "–"
+            lines.append(f"| {label} | {a * scale:,.3f} | {b * scale:,.3f} | {ratio} |"
+                         if key == "request_throughput" else
+                         f"| {label} | {a * scale:,.1f} | {b * scale:,.1f} | {ratio} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def failed_count(result: dict[str, Any]) -> int:
+    return int(result["num_prompts"]) - int(result["completed"])
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--cache-dir", default=DEFAULT_CACHE)
+    p.add_argument("--capacity-prompts", type=int, default=48)
+    p.add_argument("--open-loop-prompts", type=int, default=30)
+    p.add_argument("--load", type=float, default=0.7, help="open-loop rate / peer's capacity")
+    p.add_argument("--peer-args", default="",
+                   help="extra llama-server flags as one string, e.g. --peer-args=--no-repack "
+                        "(on a KVM host with AMX, llama.cpp's AMX matmul crashed at start-up on "
+                        "2026-12-01; --no-repack keeps weights out of its AMX buffers)")
+    args = p.parse_args()
+    peer_args = shlex.split(args.peer_args)
+    from chunkserve.model.loaders.source import resolve_model_path
+
+    os.makedirs(args.out, exist_ok=True)
+    gguf = resolve_model_path("smollm2-135m")
+    binary = build(args.cache_dir)
+    started = time.time()
+    results: dict[str, dict[str, dict[str, Any]]] = {e: {} for e in ENGINES}
+    closed = ["--max-concurrency", "16", "--request-rate", "inf"]
+    for engine in (PEER, "chunkserve"):
+        results[engine]["capacity"] = measure(engine, gguf, binary, args.out, "capacity", closed,
+                                              args.capacity_prompts, peer_args)
+    rate = args.load * results[PEER]["capacity"]["request_throughput"]
+    for engine in ENGINES:
+        results[engine]["open-loop"] = measure(engine, gguf, binary, args.out, "open-loop",
+                                               ["--request-rate", f"{rate:.4f}"],
+                                               args.open_loop_prompts, peer_args)
+    for engine in ENGINES:
+        for result in results[engine].values():
+            result["failed"] = failed_count(result)
+    report = {"cpu": cpu_info(), "gguf": os.path.basename(gguf), "load": args.load,
+              "peer_args": peer_args,
+              "elapsed_s": round(time.time() - started), "results": results}
+    with open(os.path.join(args.out, "comparison.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    cpu = report["cpu"]
+    text = (f"# chunkserve vs llama-server on {cpu['model']} ({cpu['cores']} cores; "
+            f"{' '.join(cpu['flags'])})\n\nModel {report['gguf']}; command "
+            f"`python benchmarks/serving/compare_llama_server.py --out {args.out}"
+            + (f" --peer-args='{args.peer_args}'" if peer_args else "") + "` "
+            f"({report['elapsed_s']} s).\n\n" + side_by_side(results))
+    with open(os.path.join(args.out, "comparison.md"), "w") as f:
+        f.write(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
