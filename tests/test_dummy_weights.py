@@ -14,7 +14,8 @@ import torch
 
 from chunkserve.model.loaders import source
 from chunkserve.model.loaders.dummy import INIT_STD, dummy_weights
-from chunkserve.model.models.config import LlamaConfig
+from chunkserve.model.models.config import DecoderConfig
+from chunkserve.model.models.registry import config_from_hf
 from chunkserve.model.loaders.source import expected_shapes, load_source, load_source_tokenizer
 from chunkserve.tokenizer.tokenizer import (
     BUNDLED_TOKENIZER_DIR,
@@ -48,8 +49,8 @@ def bundled() -> Tokenizer:
     return load_bundled_tokenizer()
 
 
-def tiny_config(**changes: Any) -> LlamaConfig:
-    return LlamaConfig.from_hf_dict({**model_preset("tiny-llama"), **changes})
+def tiny_config(**changes: Any) -> DecoderConfig:
+    return config_from_hf({**model_preset("tiny-llama"), **changes})
 
 
 def _llm(**kwargs: Any) -> Any:
@@ -65,9 +66,9 @@ def test_presets_are_runnable_configs() -> None:
     names = model_preset_names()
     assert {"llama-3-8b", "llama-3-70b", "llama-2-13b", "mistral-7b", "tiny-llama"} <= set(names)
     for name in names:
-        config = LlamaConfig.from_hf_dict(model_preset(name))
+        config = config_from_hf(model_preset(name))
         assert config.bos_token_id is not None and config.eos_token_ids, name
-    llama3 = LlamaConfig.from_hf_dict(model_preset("llama-3-8b"))
+    llama3 = config_from_hf(model_preset("llama-3-8b"))
     assert (llama3.vocab_size, llama3.rope_theta, llama3.rms_norm_eps) == (128256, 500000.0, 1e-5)
     assert llama3.eos_token_ids == [128001]
     preset = model_preset("tiny-llama")
@@ -217,7 +218,7 @@ def test_dummy_on_the_gguf_reads_no_tensor(
     monkeypatch.setattr(gguf.quants, "dequantize", no_dequantize)
     path, config, weights, tokenizer = load_source("smollm2-135m", "dummy", 0, CPU, torch.float32)
     assert path == smollm2_path
-    assert config == LlamaConfig.from_hf_dict(model_preset("smollm2-135m"))  # the preset is right
+    assert config == config_from_hf(model_preset("smollm2-135m"))  # the preset is right
     assert set(weights) == set(expected_shapes(config))
     assert torch.equal(weights["model.norm.weight"], torch.ones(576))  # not the trained norms
     assert tokenizer.chat_template is not None and tokenizer.vocab_size == 49152

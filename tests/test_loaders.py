@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from chunkserve.model.loaders.source import expected_shapes, load_weights, resolve_model_path
-from chunkserve.model.models.config import LlamaConfig
+from chunkserve.model.models.config import DecoderConfig
 
 Q = gguf.GGMLQuantizationType
 
@@ -134,8 +134,8 @@ def write_gguf(path: Path, tensors: dict[str, tuple[np.ndarray, Q]], arch: str =
     writer.close()
 
 
-def tiny_config() -> LlamaConfig:
-    return LlamaConfig(**TINY, tie_word_embeddings=False)
+def tiny_config() -> DecoderConfig:
+    return DecoderConfig(**TINY, tie_word_embeddings=False)
 
 
 def random_k_blocks(rng: np.random.Generator, rows: int, cols: int, qtype: Q) -> np.ndarray:
@@ -233,9 +233,10 @@ def test_gguf_tied_head_and_llama3_rope(tmp_path: Path) -> None:
 
 
 def test_gguf_rejects_other_architectures(tmp_path: Path) -> None:
-    path = tmp_path / "qwen.gguf"
-    write_gguf(path, _tiny_float_tensors(np.random.default_rng(2)), arch="qwen2")
-    with pytest.raises(ValueError, match="architecture 'qwen2' is not supported"):
+    path = tmp_path / "gpt2.gguf"
+    write_gguf(path, _tiny_float_tensors(np.random.default_rng(2)), arch="gpt2")
+    with pytest.raises(ValueError, match=r"GGUF architecture 'gpt2' is not supported \(supported: "
+                                         r"llama, qwen2, qwen3, phi3"):
         load_weights(str(path))
 
 

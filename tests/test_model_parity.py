@@ -9,10 +9,10 @@ import torch
 from chunkserve.engine.model_runner import ModelRunner
 from chunkserve.model.batch import BatchLayout
 from chunkserve.model.factory import LoadedModel, load_model
-from chunkserve.model.models.llama import LlamaModel
+from chunkserve.model.models import llama
 
 
-def full_logits(model: LlamaModel, ids: list[int], chunk: int | None = None,
+def full_logits(model: llama.LlamaForCausalLM, ids: list[int], chunk: int | None = None,
                 kv_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Logits at every position, running the prompt through the paged cache in chunks (a KV
     cache of `kv_dtype`; None: the model's dtype)."""
@@ -131,7 +131,7 @@ def test_llama3_rope_scaling_matches_transformers(tmp_path):
     hf = LlamaForCausalLM(config).eval()
     hf.save_pretrained(tmp_path)
     cfg, weights = load_hf_dir(str(tmp_path))
-    ours = LlamaModel(cfg, weights, torch.float32, max_positions=1024)
+    ours = llama.LlamaForCausalLM(cfg, weights, torch.float32, max_positions=1024)
     ids = [(i * 37) % 256 for i in range(300)]  # past the original 64 positions
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0]

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from chunkserve.model.batch import BatchLayout, BatchTensors, DeviceStager
-from chunkserve.model.models.llama import LlamaModel
+from chunkserve.model.models.interface import CausalLM
 
 MAX_CAPTURE_SIZE = 256  # larger decode batches run eagerly: launch overhead is amortized there
 
@@ -40,7 +40,7 @@ class _Graph:
 class CUDAGraphRunner:
     def __init__(
         self,
-        model: LlamaModel,
+        model: CausalLM,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         stager: DeviceStager,
         sizes: list[int],

@@ -11,10 +11,10 @@ from chunkserve.engine.input_batch import build_layout, sample_rows
 from chunkserve.engine.sampler import Sampler, SamplingRow
 from chunkserve.model.attention.backend import FP8_BY_NAME
 from chunkserve.model.batch import BatchLayout, DeviceStager
-from chunkserve.model.models.llama import LlamaModel
+from chunkserve.model.models.interface import CausalLM
 
 
-def kv_cache_dtype(model: LlamaModel, name: str = "auto") -> torch.dtype:
+def kv_cache_dtype(model: CausalLM, name: str = "auto") -> torch.dtype:
     """The KV cache's torch dtype for `--kv-cache-dtype name`; a ValueError where the model's
     attention backend cannot read it."""
     if name == "auto":
@@ -26,7 +26,7 @@ def kv_cache_dtype(model: LlamaModel, name: str = "auto") -> torch.dtype:
     return FP8_BY_NAME[name]
 
 
-def kv_bytes_per_block(model: LlamaModel, block_size: int, dtype: torch.dtype | None = None) -> int:
+def kv_bytes_per_block(model: CausalLM, block_size: int, dtype: torch.dtype | None = None) -> int:
     elem = torch.empty((), dtype=dtype or model.kv_dtype).element_size()
     per_token = 2 * len(model.layers) * model.num_kv_heads * model.head_dim * elem
     return per_token * block_size
@@ -40,7 +40,7 @@ class ModelRunner:
 
     def __init__(
         self,
-        model: LlamaModel,
+        model: CausalLM,
         num_kv_blocks: int,
         block_size: int,
         num_swap_blocks: int = 0,
@@ -74,7 +74,7 @@ class ModelRunner:
         self.graphs = self._capture_graphs(enforce_eager, max_num_seqs, max_model_len)
 
     @classmethod
-    def from_config(cls, model: LlamaModel, config: EngineConfig) -> ModelRunner:
+    def from_config(cls, model: CausalLM, config: EngineConfig) -> ModelRunner:
         """Sizes the KV pool (and the swap pool) from the cache config and the model's shape."""
         cc = config.cache_config
         kv_dtype = kv_cache_dtype(model, cc.kv_cache_dtype)

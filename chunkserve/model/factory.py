@@ -8,17 +8,18 @@ import torch
 
 from chunkserve.model.attention.select import make_attention_backend
 from chunkserve.model.layers.layer_ops import make_layer_ops
-from chunkserve.model.models.llama import LlamaModel
-from chunkserve.model.models.config import LlamaConfig
 from chunkserve.model.loaders.source import load_source
+from chunkserve.model.models.config import DecoderConfig
+from chunkserve.model.models.llama import LlamaForCausalLM
+from chunkserve.model.models.registry import architecture
 from chunkserve.tokenizer.tokenizer import Tokenizer
 
 
 @dataclass
 class LoadedModel:
     path: str
-    config: LlamaConfig
-    model: LlamaModel
+    config: DecoderConfig
+    model: LlamaForCausalLM  # or a variant (models/registry.py)
     tokenizer: Tokenizer
     max_model_len: int
 
@@ -110,7 +111,7 @@ def load_model(
         )
     attention = make_attention_backend(attention_backend, config.num_attention_heads,
                                        config.num_key_value_heads, config.head_dim, dev)
-    model = LlamaModel(
+    model = architecture(config.architecture)(
         config, weights, torch_dtype, max_positions=max_model_len, attention=attention,
         device=dev, quantization=quant, ops=make_layer_ops(dev),
     )

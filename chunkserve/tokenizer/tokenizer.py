@@ -72,7 +72,7 @@ class Tokenizer:
     @classmethod
     def from_bundled(cls) -> Tokenizer:
         """SmolLM2's tokenizer, shipped in chunkserve/data/tokenizer for models that have none
-        (presets with random weights); exported by benchmarks/export_tokenizer.py."""
+        (presets with random weights); exported by tools/export_tokenizer.py."""
         with gzip.open(os.path.join(BUNDLED_TOKENIZER_DIR, "tokenizer.json.gz"), "rt",
                        encoding="utf-8") as f:
             tokenizer = HFTokenizer.from_str(f.read())

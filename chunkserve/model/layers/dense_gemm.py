@@ -1,4 +1,4 @@
-"""Dense GEMMs, `x @ weight.T`: on the CPU through a weight pre-packed for oneDNN.
+"""Dense GEMMs, `x @ weight.T (+ bias)`: on the CPU through a weight pre-packed for oneDNN.
 
 `F.linear` on a plain weight goes through a per-call path that cost 1.2-1.6x more in bfloat16
 at 1-64 rows and, in float32 on an AMD CPU (MKL's sgemm), 2.3x more at every size than
@@ -23,11 +23,13 @@ def _can_pack(weight: torch.Tensor) -> bool:
 
 
 class DenseWeight:
-    """`x @ weight.T` in the weight's dtype; on the CPU through a weight pre-packed for oneDNN
-    (what PyTorch's own compiler does for frozen CPU linears), elsewhere plain `F.linear`."""
+    """`x @ weight.T (+ bias)` in the weight's dtype; on the CPU through a weight pre-packed for
+    oneDNN (what PyTorch's own compiler does for frozen CPU linears), elsewhere plain
+    `F.linear`. The bias (Qwen2's q/k/v) is added by the same call."""
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.dtype = weight.dtype
+        self.bias = None if bias is None else bias.to(weight.dtype).contiguous()
         self.packed: torch.Tensor | None = None
         self.weight: torch.Tensor | None = weight.contiguous()
         if _can_pack(weight):
@@ -37,5 +39,5 @@ class DenseWeight:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(self.dtype)
         if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
-        return F.linear(x, self.weight)  # type: ignore[arg-type]
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)  # type: ignore[arg-type]

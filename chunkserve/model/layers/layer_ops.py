@@ -31,6 +31,10 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate) * up
 
 
+# Qwen3's per-head RMSNorm weights of q and k (float32, [head_dim] each), or None.
+QKNorm = tuple[torch.Tensor, torch.Tensor] | None
+
+
 class LayerOps(Protocol):
     name: str
 
@@ -41,10 +45,12 @@ class LayerOps(Protocol):
         ...
 
     def rope_split_qkv(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                       heads: int, kv_heads: int,
-                       head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       heads: int, kv_heads: int, head_dim: int, qk_norm: QKNorm = None,
+                       eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [T, heads, D], k and v [T, kv_heads, D] in qkv's dtype from a fused projection,
-        q and k rotated (cos/sin: [T, 1, D / 2] float32)."""
+        the first R dims of each q and k head rotated (cos/sin: [T, 1, R / 2] float32; R < D
+        for partial rotary), each q and k head RMSNorm'd first by `qk_norm`'s (q, k) weights
+        [D] (float32) when given (Qwen3)."""
         ...
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -59,10 +65,19 @@ class TorchLayerOps:
             h += delta  # widening to float32 in the add: no temporary
         return rms_norm(h, weight, eps, dtype)
 
-    def rope_split_qkv(self, qkv, cos, sin, heads, kv_heads, head_dim):  # type: ignore[no-untyped-def]
+    def rope_split_qkv(self, qkv, cos, sin, heads, kv_heads, head_dim, qk_norm=None, eps=0.0):  # type: ignore[no-untyped-def]
         T, qk_size = qkv.shape[0], (heads + kv_heads) * head_dim
         # Q and K heads rotated in one pass (RoPE is per head): half the small ops.
-        qk = apply_rotary(qkv[:, :qk_size].view(T, heads + kv_heads, head_dim), cos, sin)
+        qk = qkv[:, :qk_size].view(T, heads + kv_heads, head_dim)
+        if qk_norm is not None:
+            qk = torch.cat([rms_norm(qk[:, :heads].float(), qk_norm[0], eps),
+                            rms_norm(qk[:, heads:].float(), qk_norm[1], eps)], dim=1)
+        rotary_dim = 2 * cos.shape[-1]
+        if rotary_dim == head_dim:
+            qk = apply_rotary(qk, cos, sin)
+        else:  # partial rotary: the rest of each head passes through
+            qk = torch.cat([apply_rotary(qk[..., :rotary_dim], cos, sin),
+                            qk[..., rotary_dim:].float()], dim=-1)
         q, k = qk.to(qkv.dtype).split([heads, kv_heads], dim=1)
         return q, k, qkv[:, qk_size:].view(T, kv_heads, head_dim)
 
@@ -76,10 +91,19 @@ _SIGNATURES = {
     "add_rms_norm": [_ptr, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _f32, _i64],
     # gate_up, out, bf16, T, I, num_threads
     "silu_and_mul": [_ptr, _ptr, _i64, _i64, _i64, _i64],
-    # qkv, cos, sin, q, k, v, bf16, T, heads, kv_heads, D, num_threads
-    "rope_split_qkv": [_ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64],
+    # qkv, cos, sin, q, k, v, bf16, T, heads, kv_heads, D, R, q_norm, k_norm, eps, num_threads
+    "rope_split_qkv": [_ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64,
+                       _ptr, _ptr, _f32, _i64],
 }
 _DTYPES = (torch.float32, torch.bfloat16)
+MAX_HEAD_DIM = 512  # layer_ops.c normalizes and rotates a head in a stack buffer this long
+
+
+def _norm_ptrs(qk_norm: QKNorm) -> tuple[int | None, int | None]:
+    if qk_norm is None:
+        return None, None
+    assert all(w.dtype == torch.float32 and w.is_contiguous() for w in qk_norm)
+    return qk_norm[0].data_ptr(), qk_norm[1].data_ptr()
 
 
 class CpuLayerOps:
@@ -108,8 +132,8 @@ class CpuLayerOps:
             torch.get_num_threads())
         return out
 
-    def rope_split_qkv(self, qkv, cos, sin, heads, kv_heads, head_dim):  # type: ignore[no-untyped-def]
-        assert qkv.dtype in _DTYPES and qkv.is_contiguous()
+    def rope_split_qkv(self, qkv, cos, sin, heads, kv_heads, head_dim, qk_norm=None, eps=0.0):  # type: ignore[no-untyped-def]
+        assert qkv.dtype in _DTYPES and qkv.is_contiguous() and head_dim <= MAX_HEAD_DIM
         assert cos.dtype == sin.dtype == torch.float32 and cos.is_contiguous() and sin.is_contiguous()
         T = qkv.shape[0]
         q = torch.empty(T, heads, head_dim, dtype=qkv.dtype)
@@ -118,7 +142,7 @@ class CpuLayerOps:
         self._fn["rope_split_qkv"](
             qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), q.data_ptr(), k.data_ptr(),
             v.data_ptr(), qkv.dtype == torch.bfloat16, T, heads, kv_heads, head_dim,
-            torch.get_num_threads())
+            2 * cos.shape[-1], *_norm_ptrs(qk_norm), eps, torch.get_num_threads())
         return q, k, v
 
     def silu_and_mul(self, gate_up):  # type: ignore[no-untyped-def]

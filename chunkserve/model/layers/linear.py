@@ -49,8 +49,8 @@ class Linear(Protocol):
 
 
 class DenseLinear:
-    def __init__(self, weight: torch.Tensor) -> None:
-        self.gemm = DenseWeight(weight)
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        self.gemm = DenseWeight(weight, bias)
         self.shape = tuple(weight.shape)  # type: ignore[assignment]
         self.weight_bytes = weight.numel() * weight.element_size()
 
@@ -96,7 +96,8 @@ class Int8Linear(QuantizedLinear):
     float16 scale (GGUF's Q8_0), through the C group GEMM (group_gemm.py): both finer and faster
     than one scale per channel. Elsewhere: one scale per channel through PyTorch's kernel."""
 
-    def __init__(self, weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, weight: torch.Tensor, dtype: torch.dtype = torch.float32,
+                 bias: torch.Tensor | None = None) -> None:
         w = weight.float()
         fn = group_gemm.available() if w.shape[1] % GROUP == 0 else None
         levels, scales = quantize_int8_groups(w) if fn is not None else (None, None)
@@ -105,7 +106,7 @@ class Int8Linear(QuantizedLinear):
             kernel = group_gemm.GroupGemm.int8(fn, levels, scales, C_KERNEL_MAX_ROWS)
         else:
             kernel = TorchInt8(w)
-        super().__init__(kernel, kernel.dequantized(), dtype)
+        super().__init__(kernel, kernel.dequantized(), dtype, bias)
 
     def dequantized(self) -> torch.Tensor:
         """The weights as the kernel holds them, in float32."""
@@ -113,19 +114,22 @@ class Int8Linear(QuantizedLinear):
 
 
 def make_linear(weight: torch.Tensor, quantization: str | None,
-                dtype: torch.dtype | None = None) -> Linear:
+                dtype: torch.dtype | None = None, bias: torch.Tensor | None = None) -> Linear:
     """`dtype`: the compute dtype (default: the weight's). `quantization`: None (dense), "int8",
     "int4" (linear_int4.py), or "auto": int4 where the weight already is 4-bit in GGUF's
-    blocks (exact), else int8."""
+    blocks (exact), else int8. `bias` (or None) is added in the compute dtype, never
+    quantized."""
     dtype = dtype or weight.dtype
     if quantization is None:
-        return DenseLinear(weight.to(dtype))
+        return DenseLinear(weight.to(dtype), bias)
     if quantization not in ("int8", "int4", "auto"):
         raise ValueError(f"quantization must be 'int8', 'int4', 'auto' or None, "
                          f"got {quantization!r}")
     if weight.device.type != "cpu":
         raise ValueError(f"quantization {quantization!r} runs on the CPU only")
     if quantization == "int4":
-        return Int4Linear(weight, dtype)
+        return Int4Linear(weight, dtype, bias=bias)
     exact = exact_int4(weight.float()) if quantization == "auto" else None
-    return Int4Linear(weight, dtype, exact) if exact else Int8Linear(weight, dtype)
+    if exact:
+        return Int4Linear(weight, dtype, exact, bias)
+    return Int8Linear(weight, dtype, bias)

@@ -20,7 +20,7 @@ from chunkserve.model.layers.quant_linear import QuantizedLinear
 
 LEVELS = 15
 # Rows up to which the C kernel (group_gemm.py) beats the packed dense GEMM
-# (benchmarks/cpu_gemm_formats.py, 30 layers of SmolLM2's shapes on a Zen 5, two runs: 16.5 /
+# (benchmarks/kernels/cpu_gemm_formats.py, 30 layers of SmolLM2's shapes on a Zen 5, two runs: 16.5 /
 # 16.1 vs 17.4 / 17.1 ms at 32 rows; 27.0 / 30.4 vs 28.9 / 26.2 at 64, a tie within the noise).
 C_KERNEL_MAX_ROWS = 32
 
@@ -77,7 +77,7 @@ class TorchInt4:
 
 class Int4Linear(QuantizedLinear):
     def __init__(self, weight: torch.Tensor, dtype: torch.dtype = torch.float32,
-                 quantized: Quantized | None = None) -> None:
+                 quantized: Quantized | None = None, bias: torch.Tensor | None = None) -> None:
         """`dtype`: the activations' (the model's compute dtype), and the dense copy's.
         `quantized`: weight's quantize_int4 when the caller has it already (exact_int4)."""
         if weight.shape[1] % GROUP:
@@ -88,7 +88,7 @@ class Int4Linear(QuantizedLinear):
             kernel = group_gemm.GroupGemm.int4(fn, levels, scale, low, C_KERNEL_MAX_ROWS)
             # Prefill rows multiply the same weights (its float16 scales: exact for a GGUF's
             # blocks, and what its decode rows use).
-            super().__init__(kernel, kernel.dequantized(), dtype)
+            super().__init__(kernel, kernel.dequantized(), dtype, bias)
         else:
             super().__init__(TorchInt4(levels, scale, low), dequantize_int4(levels, scale, low),
-                             dtype)
+                             dtype, bias)

@@ -20,12 +20,15 @@ class QuantKernel(Protocol):
 
 
 class QuantizedLinear:
-    def __init__(self, kernel: QuantKernel, dense: torch.Tensor, dtype: torch.dtype) -> None:
+    def __init__(self, kernel: QuantKernel, dense: torch.Tensor, dtype: torch.dtype,
+                 bias: torch.Tensor | None = None) -> None:
         """`dense`: the weights as the kernel holds them (float32); `dtype`: the activations'
-        (the model's compute dtype), and the dense copy's."""
+        (the model's compute dtype), and the dense copy's; `bias`: kept in `dtype`, not
+        quantized (Qwen2's q/k/v)."""
         self.kernel = kernel
         self.dtype = dtype
-        self.dense = DenseWeight(dense.to(dtype))
+        self.dense = DenseWeight(dense.to(dtype), bias)
+        self.bias = self.dense.bias
         self.shape: tuple[int, int] = tuple(dense.shape)  # type: ignore[assignment]
         # What a decode step reads; prefill chunks read `dense` (not counted: compute-bound).
         self.weight_bytes = kernel.weight_bytes
@@ -33,5 +36,6 @@ class QuantizedLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] <= self.kernel.max_rows:
             y = self.kernel(x)
-            return y if y.dtype == self.dtype else y.to(self.dtype)
+            y = y if y.dtype == self.dtype else y.to(self.dtype)
+            return y if self.bias is None else y.add_(self.bias)
         return self.dense(x)

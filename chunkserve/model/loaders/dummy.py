@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from chunkserve.model.models.config import LlamaConfig
+from chunkserve.model.models.config import DecoderConfig
 from chunkserve.model.models.checkpoint import expected_shapes
 
 # HF's initializer_range for Llama. With unit RMSNorm weights each layer adds O(1) to the
@@ -15,7 +15,7 @@ INIT_STD = 0.02
 
 
 def dummy_weights(
-    config: LlamaConfig, seed: int, device: torch.device, dtype: torch.dtype
+    config: DecoderConfig, seed: int, device: torch.device, dtype: torch.dtype
 ) -> dict[str, torch.Tensor]:
     """Every tensor `expected_shapes(config)` lists: norms 1, the rest normal(0, INIT_STD).
 

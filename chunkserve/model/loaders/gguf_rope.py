@@ -75,15 +75,20 @@ def _fit_llama3(freq_factors: np.ndarray, rope_theta: float, head_dim: int) -> d
 
 def rope_scaling_from_metadata(
     scaling_type: str | None, factor: float | None, original_context: int | None,
-    freq_factors: np.ndarray | None, rope_theta: float, head_dim: int,
+    freq_factors: np.ndarray | None, longrope: tuple[np.ndarray | None, np.ndarray | None],
+    rope_theta: float, rotary_dim: int,
 ) -> dict[str, Any] | None:
-    """HF `rope_scaling` for a GGUF's `llama.rope.scaling.*` keys and `rope_freqs` tensor."""
+    """HF `rope_scaling` for a GGUF's `{arch}.rope.scaling.*` keys and its rope tensors:
+    Llama 3's `rope_freqs`, Phi-3's (short, long) `rope_factors_*`."""
     if freq_factors is not None:
         if scaling_type not in (None, "none"):
             raise ValueError(f"GGUF has both rope_freqs and rope.scaling.type={scaling_type!r}.")
-        if freq_factors.shape != (head_dim // 2,):
-            raise ValueError(f"GGUF rope_freqs has shape {freq_factors.shape}, expected ({head_dim // 2},).")
-        return _fit_llama3(freq_factors, rope_theta, head_dim)
+        if freq_factors.shape != (rotary_dim // 2,):
+            raise ValueError(f"GGUF rope_freqs has shape {freq_factors.shape}, expected ({rotary_dim // 2},).")
+        return _fit_llama3(freq_factors, rope_theta, rotary_dim)
+    short, long = longrope
+    if short is not None or long is not None:
+        return _longrope(short, long, original_context)
     if scaling_type in (None, "none") or factor in (None, 1.0):
         return None
     if scaling_type == "linear":
@@ -94,3 +99,19 @@ def rope_scaling_from_metadata(
             params["original_max_position_embeddings"] = int(original_context)
         return params
     raise ValueError(f"GGUF rope scaling type {scaling_type!r} is not supported.")
+
+
+def _longrope(short: np.ndarray | None, long: np.ndarray | None,
+              original_context: int | None) -> dict[str, Any]:
+    """Phi-3's long-context scaling, which llama.cpp's converter keeps as two factor tensors and
+    the original context length. (The attention factor it also stores is HF's default for
+    those, which check_rope_scaling recomputes from the context lengths.)"""
+    if short is None or long is None or original_context is None:
+        raise ValueError("GGUF longrope scaling needs rope_factors_short, rope_factors_long and "
+                         "rope.scaling.original_context_length.")
+    params: dict[str, Any] = {
+        "rope_type": "longrope", "short_factor": short.reshape(-1).tolist(),
+        "long_factor": long.reshape(-1).tolist(),
+        "original_max_position_embeddings": int(original_context),
+    }
+    return params

@@ -1,4 +1,5 @@
-"""Reads a Hugging Face checkpoint folder (config.json + *.safetensors) of a Llama-shaped model."""
+"""Reads a Hugging Face checkpoint folder (config.json + *.safetensors) of any architecture in
+models/registry.py."""
 from __future__ import annotations
 
 import json
@@ -9,11 +10,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from chunkserve.model.models.config import LlamaConfig
-
-# model_types whose checkpoints are exactly Llama's tensors and maths (Mistral differs only by
-# its sliding window, handled below).
-SUPPORTED_MODEL_TYPES = ("llama", "mistral")
+from chunkserve.model.models.config import DecoderConfig
+from chunkserve.model.models.registry import config_from_hf
 
 
 def _safetensors_files(path: str) -> list[str]:
@@ -25,29 +23,10 @@ def _safetensors_files(path: str) -> list[str]:
     return sorted(glob(os.path.join(path, "*.safetensors")))
 
 
-def _read_config(path: str) -> LlamaConfig:
+def _read_config(path: str) -> DecoderConfig:
     with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
         raw = json.load(f)
-    model_type = raw.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
-            f"{path}: model_type {model_type!r} is not supported "
-            f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})."
-        )
-    if raw.get("attention_bias") or raw.get("mlp_bias"):
-        raise ValueError(f"{path}: Llama variants with attention/MLP biases are not supported.")
-    if raw.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"{path}: hidden_act {raw['hidden_act']!r} is not supported (only silu).")
-    try:
-        config = LlamaConfig.from_hf_dict(raw)
-    except KeyError as e:
-        raise ValueError(f"{path}: config.json lacks {e.args[0]!r}.") from None
-    window = raw.get("sliding_window")
-    if window is not None and window < config.max_position_embeddings:
-        # Up to the window, sliding-window attention is full attention; capping the context
-        # keeps the model exact instead of silently attending too far back.
-        config.max_position_embeddings = int(window)
-    return config
+    return config_from_hf(raw, path)
 
 
 def _tensor_names(path: str, files: list[str]) -> set[str]:
@@ -63,7 +42,7 @@ def _tensor_names(path: str, files: list[str]) -> set[str]:
     return names
 
 
-def read_hf_config(path: str) -> LlamaConfig:
+def read_hf_config(path: str) -> DecoderConfig:
     """The config of a checkpoint folder, without reading its weights (`--load-format dummy`).
 
     A folder with config.json alone is enough; safetensors files, if any, settle tying.
@@ -80,8 +59,8 @@ def read_hf_config(path: str) -> LlamaConfig:
     return config
 
 
-def load_hf_dir(path: str) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
-    """Config and float32 tensors under HF Llama names from a checkpoint folder."""
+def load_hf_dir(path: str) -> tuple[DecoderConfig, dict[str, torch.Tensor]]:
+    """Config and float32 tensors under HF names from a checkpoint folder."""
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ValueError(f"{path}: not a Hugging Face model folder (no config.json).")
     files = _safetensors_files(path)
@@ -95,6 +74,6 @@ def load_hf_dir(path: str) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
             if name.endswith("rotary_emb.inv_freq"):
                 continue  # a derived buffer some old checkpoints saved; we recompute it
             if not name.startswith(("model.", "lm_head.")):
-                name = f"model.{name}"  # saved from the bare LlamaModel, without the LM wrapper
+                name = f"model.{name}"  # saved from the bare decoder model, without the LM wrapper
             weights[name] = tensor.to(torch.float32)
     return config, weights

@@ -10,9 +10,10 @@ from chunkserve.config import LOAD_FORMATS
 from chunkserve.model.loaders.dummy import dummy_weights
 from chunkserve.model.loaders.gguf import load_gguf, read_gguf_config
 from chunkserve.model.loaders.safetensors import load_hf_dir, read_hf_config
-from chunkserve.model.models.config import LlamaConfig
+from chunkserve.model.models.config import DecoderConfig
 from chunkserve.tokenizer.tokenizer import Tokenizer, load_bundled_tokenizer, load_tokenizer
 from chunkserve.model.models.checkpoint import expected_shapes
+from chunkserve.model.models.registry import config_from_hf
 from chunkserve.presets import model_preset, model_preset_names
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -59,7 +60,7 @@ def is_model_preset(name: str) -> bool:
     return name in model_preset_names()
 
 
-def _check_weights(path: str, config: LlamaConfig, weights: dict[str, torch.Tensor]) -> None:
+def _check_weights(path: str, config: DecoderConfig, weights: dict[str, torch.Tensor]) -> None:
     # Catching a missing or mis-shaped tensor here names it; the model would only fail later
     # with an anonymous matmul shape error, or not at all for a wrong square matrix.
     shapes = expected_shapes(config)
@@ -67,7 +68,7 @@ def _check_weights(path: str, config: LlamaConfig, weights: dict[str, torch.Tens
     extra = sorted(set(weights) - set(shapes))
     if missing or extra:
         raise ValueError(
-            f"{path}: not a plain Llama checkpoint; missing tensors {missing[:5]}, "
+            f"{path}: not a {config.architecture} checkpoint; missing tensors {missing[:5]}, "
             f"unexpected tensors {extra[:5]}."
         )
     for name, shape in shapes.items():
@@ -76,7 +77,7 @@ def _check_weights(path: str, config: LlamaConfig, weights: dict[str, torch.Tens
             raise ValueError(f"{path}: tensor {name} has shape {got}, expected {shape}.")
 
 
-def load_config(path: str) -> LlamaConfig:
+def load_config(path: str) -> DecoderConfig:
     """The config of a resolved model path, without reading any weights."""
     if os.path.isdir(path):
         return read_hf_config(path)
@@ -85,8 +86,8 @@ def load_config(path: str) -> LlamaConfig:
     raise ValueError(f"{path}: expected a .gguf file or a HF folder with config.json.")
 
 
-def load_weights(path: str) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
-    """Config and float32 tensors under HF Llama names, from a .gguf file or a HF folder."""
+def load_weights(path: str) -> tuple[DecoderConfig, dict[str, torch.Tensor]]:
+    """Config and float32 tensors under HF names, from a .gguf file or a HF folder."""
     if os.path.isdir(path):
         config, weights = load_hf_dir(path)
     elif path.endswith(".gguf") and os.path.isfile(path):
@@ -101,11 +102,11 @@ def load_source_tokenizer(name: str) -> Tokenizer:
     """The tokenizer the engine uses for a `--model` value, preset or not (benchmark clients
     must encode prompts exactly as the server does)."""
     if is_model_preset(name):
-        return _preset_tokenizer(LlamaConfig.from_hf_dict(model_preset(name)))
+        return _preset_tokenizer(config_from_hf(model_preset(name), f"model preset {name!r}"))
     return load_tokenizer(resolve_model_path(name))
 
 
-def _preset_tokenizer(config: LlamaConfig) -> Tokenizer:
+def _preset_tokenizer(config: DecoderConfig) -> Tokenizer:
     # Presets have no tokenizer of their own: SmolLM2's stands in. A larger model vocabulary is
     # kept (its ids past 49152 decode to ""); a smaller one folds the tokenizer's ids into it.
     return load_bundled_tokenizer().fold_to_vocab(config.vocab_size)
@@ -113,7 +114,7 @@ def _preset_tokenizer(config: LlamaConfig) -> Tokenizer:
 
 def load_source(
     name: str, load_format: str, seed: int, device: torch.device, dtype: torch.dtype
-) -> tuple[str, LlamaConfig, dict[str, torch.Tensor], Tokenizer]:
+) -> tuple[str, DecoderConfig, dict[str, torch.Tensor], Tokenizer]:
     """Path (or preset name), config, weights and tokenizer for a `--model` value.
 
     A preset always gets random weights, whatever `load_format` says: it has no others. With
@@ -122,7 +123,7 @@ def load_source(
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}.")
     if is_model_preset(name):
-        config = LlamaConfig.from_hf_dict(model_preset(name))
+        config = config_from_hf(model_preset(name), f"model preset {name!r}")
         return name, config, dummy_weights(config, seed, device, dtype), _preset_tokenizer(config)
     path = resolve_model_path(name)
     if load_format == "dummy":

@@ -1,36 +1,64 @@
-"""The tensors of a Llama checkpoint, by HF name and shape, as its config implies them.
+"""The tensors of a checkpoint, by HF name and shape, as its config and its architecture's
+declarations imply them.
 
-Its own module because both ends need it: the loader checks a real checkpoint against it and the
-dummy loader builds random weights from it.
+Its own module because both ends need it: the loaders check a real checkpoint against it and
+the dummy loader builds random weights from it.
 """
 from __future__ import annotations
 
-from chunkserve.model.models.config import LlamaConfig
+from chunkserve.model.models.config import DecoderConfig
+from chunkserve.model.models.registry import architecture
 
 
-def expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor a Llama model with this config needs, with its HF shape."""
-    assert config.head_dim is not None  # set by LlamaConfig.__post_init__
+def _linear_shapes(config: DecoderConfig) -> dict[str, tuple[int, int]]:
+    """Every linear of a layer as the Llama decoder names them unfused: (out, in)."""
+    assert config.head_dim is not None  # set by DecoderConfig.__post_init__
     hidden, inter = config.hidden_size, config.intermediate_size
     q_rows = config.num_attention_heads * config.head_dim
     kv_rows = config.num_key_value_heads * config.head_dim
+    return {
+        "self_attn.q_proj": (q_rows, hidden), "self_attn.k_proj": (kv_rows, hidden),
+        "self_attn.v_proj": (kv_rows, hidden), "self_attn.o_proj": (hidden, q_rows),
+        "mlp.gate_proj": (inter, hidden), "mlp.up_proj": (inter, hidden),
+        "mlp.down_proj": (hidden, inter),
+    }
+
+
+def _layer_shapes(config: DecoderConfig) -> dict[str, tuple[int, ...]]:
+    """One layer's tensors (names within the layer) as its architecture stores them."""
+    arch = architecture(config.architecture)
+    linears = _linear_shapes(config)
+    on_disk: dict[str, tuple[int, int]] = {}
+    for fused, parts in arch.packed_modules_mapping.items():
+        if fused in arch.fused_on_disk:
+            rows = sum(linears[p][0] for p in parts)
+            on_disk[fused] = (rows, linears[parts[0]][1])
+            for p in parts:
+                del linears[p]
+    on_disk.update(linears)
     shapes: dict[str, tuple[int, ...]] = {
-        "model.embed_tokens.weight": (config.vocab_size, hidden),
-        "model.norm.weight": (hidden,),
+        "input_layernorm.weight": (config.hidden_size,),
+        "post_attention_layernorm.weight": (config.hidden_size,),
+    }
+    for name, shape in on_disk.items():
+        shapes[f"{name}.weight"] = shape
+        if name in arch.bias_linears:
+            shapes[f"{name}.bias"] = (shape[0],)
+    if arch.qk_norm:
+        assert config.head_dim is not None
+        shapes["self_attn.q_norm.weight"] = shapes["self_attn.k_norm.weight"] = (config.head_dim,)
+    return shapes
+
+
+def expected_shapes(config: DecoderConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a checkpoint of this config needs, with its HF shape."""
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (config.vocab_size, config.hidden_size),
+        "model.norm.weight": (config.hidden_size,),
     }
     if not config.tie_word_embeddings:
-        shapes["lm_head.weight"] = (config.vocab_size, hidden)
+        shapes["lm_head.weight"] = (config.vocab_size, config.hidden_size)
+    layer = _layer_shapes(config)
     for i in range(config.num_hidden_layers):
-        p = f"model.layers.{i}."
-        shapes.update({
-            p + "input_layernorm.weight": (hidden,),
-            p + "self_attn.q_proj.weight": (q_rows, hidden),
-            p + "self_attn.k_proj.weight": (kv_rows, hidden),
-            p + "self_attn.v_proj.weight": (kv_rows, hidden),
-            p + "self_attn.o_proj.weight": (hidden, q_rows),
-            p + "post_attention_layernorm.weight": (hidden,),
-            p + "mlp.gate_proj.weight": (inter, hidden),
-            p + "mlp.up_proj.weight": (inter, hidden),
-            p + "mlp.down_proj.weight": (hidden, inter),
-        })
+        shapes.update({f"model.layers.{i}.{name}": shape for name, shape in layer.items()})
     return shapes

@@ -1,12 +1,18 @@
-"""Architecture hyper-parameters of a Llama-family decoder (HF `config.json` names)."""
+"""Hyper-parameters of a decoder-only model, under HF `config.json` names, whatever the
+architecture: what differs *between* architectures is declared by their classes (llama.py and
+its variants), not here."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
+from chunkserve.model.layers.rotary import check_rope_scaling
+
+DEFAULT_ARCHITECTURE = "LlamaForCausalLM"
+
 
 @dataclass
-class LlamaConfig:
+class DecoderConfig:
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -19,10 +25,14 @@ class LlamaConfig:
     # HF's dict, e.g. {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
     # "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}.
     rope_scaling: dict[str, Any] | None = None
+    # Phi-4-mini rotates only the first 3/4 of each head's dimensions.
+    partial_rotary_factor: float = 1.0
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    # The HF class name of the architecture (models/registry.py maps it to ours).
+    architecture: str = DEFAULT_ARCHITECTURE
 
     def __post_init__(self) -> None:
         if self.head_dim is None:
@@ -30,13 +40,37 @@ class LlamaConfig:
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
 
+    @property
+    def rotary_dim(self) -> int:
+        """How many of each head's dimensions RoPE rotates (all but for partial rotary)."""
+        assert self.head_dim is not None
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def set_rope_scaling(self, scaling: dict[str, Any] | None,
+                         original_max_position_embeddings: int | None = None) -> None:
+        """`scaling` (HF's dict, from a config.json or rebuilt from GGUF metadata) checked and
+        normalized: a type that is not built is refused when the model is read, not run."""
+        self.rope_scaling = check_rope_scaling(scaling, self.max_position_embeddings,
+                                               original_max_position_embeddings, self.rotary_dim)
+
+    def limit_to_window(self, window: int | None) -> None:
+        """A sliding attention window as a context limit: up to the window, sliding-window
+        attention is full attention, so capping the context keeps the model exact instead of
+        silently attending too far back."""
+        if window is not None and window < self.max_position_embeddings:
+            self.max_position_embeddings = int(window)
+
     @classmethod
-    def from_hf_dict(cls, d: dict[str, Any]) -> LlamaConfig:
+    def from_hf_dict(cls, d: dict[str, Any], architecture: str = DEFAULT_ARCHITECTURE
+                     ) -> DecoderConfig:
+        """The fields of a config.json (KeyError for a missing required one). The rope settings
+        are taken as written; models/registry.py checks them and applies what an architecture
+        declares (config_from_hf)."""
         eos = d.get("eos_token_id")
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-        rope_scaling = d.get("rope_scaling")
-        # transformers >= 5 may write rope settings under "rope_parameters" instead.
+        # transformers >= 5 writes rope settings under "rope_parameters" instead.
         rope_params = d.get("rope_parameters") or {}
+        rope_scaling = d.get("rope_scaling")
         if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
             rope_scaling = dict(rope_params)
         return cls(
@@ -50,8 +84,11 @@ class LlamaConfig:
             rms_norm_eps=d.get("rms_norm_eps", 1e-5),
             rope_theta=d.get("rope_theta", rope_params.get("rope_theta", 10000.0)),
             rope_scaling=rope_scaling,
+            partial_rotary_factor=d.get("partial_rotary_factor",
+                                        rope_params.get("partial_rotary_factor", 1.0)),
             max_position_embeddings=d.get("max_position_embeddings", 2048),
             tie_word_embeddings=d.get("tie_word_embeddings", False),
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            architecture=architecture,
         )

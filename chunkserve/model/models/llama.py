@@ -1,25 +1,33 @@
-"""A Llama-family decoder over a flat token batch (RMSNorm, RoPE, GQA, SwiGLU).
+"""The Llama decoder over a flat token batch (RMSNorm, RoPE, GQA, SwiGLU), and what an
+architecture built on it may declare differently.
 
 Every linear layer runs once over all tokens of the step — prefill chunks and decodes alike —
 which is what makes mixing them in one batch pay. Only attention looks at request boundaries.
 q/k/v and gate/up are fused into single matrices: fewer, larger GEMMs are faster on a CPU.
+
+The other architectures (mistral.py, qwen2.py, qwen3.py, phi3.py) are this decoder with some of
+the class attributes under "What an architecture declares" overridden. The loaders, the dummy
+weights and the checkpoint checks read those declarations from the class, so nothing downstream
+asks which architecture it has.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from chunkserve.model.attention.backend import AttentionBackend
 from chunkserve.model.attention.torch_backend import TorchPagedAttention
 from chunkserve.model.layers.layer_ops import LayerOps, TorchLayerOps
-from chunkserve.model.layers.rotary import RotaryEmbedding
 from chunkserve.model.layers.linear import Linear, make_linear
 from chunkserve.model.layers.linear_int4 import Int4Linear
-from chunkserve.model.models.config import LlamaConfig
+from chunkserve.model.layers.rotary import RotaryEmbedding
+from chunkserve.model.models.config import DecoderConfig
+
+Weights = dict[str, torch.Tensor]
 
 
-def _take(w: dict[str, torch.Tensor], name: str, dtype: torch.dtype, device: torch.device):  # type: ignore[no-untyped-def]
+def _take(w: Weights, name: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     # Popped, and converted straight to its final device and dtype: the loader's copy is
     # dropped tensor by tensor, so building the model never holds two copies of it (an 8B
     # model is 32 GB in float32).
@@ -27,31 +35,76 @@ def _take(w: dict[str, torch.Tensor], name: str, dtype: torch.dtype, device: tor
 
 
 class LlamaLayer:
-    def __init__(self, cfg: LlamaConfig, w: dict[str, torch.Tensor], i: int, dtype: torch.dtype,
-                 device: torch.device, quantization: str | None = None):
+    def __init__(self, arch: type[LlamaForCausalLM], w: Weights, i: int, dtype: torch.dtype,
+                 device: torch.device, quantization: str | None = None) -> None:
         p = f"model.layers.{i}."
 
-        def linear(*names: str) -> Linear:
+        def linear(name: str) -> Linear:
             # int8 and int4 are quantized from the float32 weights, not a bf16 rounding of them.
             source = torch.float32 if quantization else dtype
-            weight = torch.cat([_take(w, p + n, source, device) for n in names])
-            return make_linear(weight, quantization, dtype)
+            parts = arch.checkpoint_parts(name)
+            weight = torch.cat([_take(w, f"{p}{n}.weight", source, device) for n in parts])
+            bias = None
+            if any(f"{p}{n}.bias" in w for n in parts):
+                bias = torch.cat([_take(w, f"{p}{n}.bias", torch.float32, device) for n in parts])
+            return make_linear(weight, quantization, dtype, bias)
 
         # Norm weights stay float32 whatever the compute dtype: RMSNorm runs in float32.
         self.input_norm = _take(w, p + "input_layernorm.weight", torch.float32, device)
         self.post_norm = _take(w, p + "post_attention_layernorm.weight", torch.float32, device)
-        self.qkv = linear("self_attn.q_proj.weight", "self_attn.k_proj.weight",
-                          "self_attn.v_proj.weight")
-        self.o = linear("self_attn.o_proj.weight")
-        self.gate_up = linear("mlp.gate_proj.weight", "mlp.up_proj.weight")
-        self.down = linear("mlp.down_proj.weight")
+        self.qkv = linear("self_attn.qkv_proj")
+        self.o = linear("self_attn.o_proj")
+        self.gate_up = linear("mlp.gate_up_proj")
+        self.down = linear("mlp.down_proj")
+        # Per-head RMSNorm weights of q and k (Qwen3), applied before RoPE.
+        self.qk_norm: tuple[torch.Tensor, torch.Tensor] | None = None
+        if arch.qk_norm:
+            self.qk_norm = (_take(w, p + "self_attn.q_norm.weight", torch.float32, device),
+                            _take(w, p + "self_attn.k_norm.weight", torch.float32, device))
 
 
-class LlamaModel:
+class LlamaForCausalLM:
+    # --- What an architecture declares: a variant overrides these, and only these. ---
+    # Its names: config.json `architectures` (and `model_type`), GGUF `general.architecture`.
+    hf_architectures: ClassVar[tuple[str, ...]] = ("LlamaForCausalLM",)
+    hf_model_types: ClassVar[tuple[str, ...]] = ("llama",)
+    gguf_architectures: ClassVar[tuple[str, ...]] = ("llama",)
+    # The fused linears the decoder runs, and the checkpoint linears stacked into each, in
+    # order (vLLM's packed_modules_mapping).
+    packed_modules_mapping: ClassVar[dict[str, tuple[str, ...]]] = {
+        "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+        "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+    }
+    # Fused linears that checkpoints store already fused (Phi-3's qkv_proj, gate_up_proj).
+    fused_on_disk: ClassVar[frozenset[str]] = frozenset()
+    # Checkpoint linears that carry a bias (Qwen2: q, k and v).
+    bias_linears: ClassVar[frozenset[str]] = frozenset()
+    # An RMSNorm over each q and k head before RoPE (Qwen3: self_attn.q_norm / k_norm).
+    qk_norm: ClassVar[bool] = False
+    # llama.cpp's converter reorders q/k rows to pairs for GGUF "llama" files only: its RoPE
+    # rotates adjacent pairs there, halves (as HF does) for qwen2, qwen3 and phi3.
+    gguf_qk_interleaved: ClassVar[bool] = True
+    # GGUF tensor names (blk.N.<name>) that mean another HF tensor in this architecture than
+    # loaders/gguf.py's common table says (Phi-3 stores gate and up fused under ffn_up).
+    gguf_renames: ClassVar[dict[str, str]] = {}
+
+    @classmethod
+    def sliding_window(cls, hf_config: dict[str, Any]) -> int | None:
+        """The attention window a config.json sets, or None (full attention)."""
+        return hf_config.get("sliding_window")
+
+    @classmethod
+    def checkpoint_parts(cls, fused: str) -> tuple[str, ...]:
+        """The checkpoint linears (HF names within a layer) that make up linear `fused`."""
+        if fused in cls.fused_on_disk:
+            return (fused,)
+        return cls.packed_modules_mapping.get(fused, (fused,))
+
+    # --- The decoder. ---
     def __init__(
         self,
-        cfg: LlamaConfig,
-        weights: dict[str, torch.Tensor],
+        cfg: DecoderConfig,
+        weights: Weights,
         dtype: torch.dtype = torch.float32,
         max_positions: int | None = None,
         attention: AttentionBackend | None = None,
@@ -59,12 +112,13 @@ class LlamaModel:
         quantization: str | None = None,
         ops: LayerOps | None = None,
     ) -> None:
-        """Consumes `weights`: each tensor is removed from the dict as the model takes it.
-        With `quantization="int8"` every linear layer and the LM head are int8 (linear.py),
-        with "int4" the layers are int4 (linear_int4.py), with "auto" each linear is int4 where
-        its weights already are 4-bit (a Q4 GGUF), else int8; `dtype` is then the activations'
-        dtype and that of the dense copy prefill rows use.
-        `ops`: norms, RoPE and SiLU (layer_ops.py; default PyTorch's)."""
+        """Consumes `weights` (HF names, as this architecture's checkpoints have them): each
+        tensor is removed from the dict as the model takes it.
+        With `quantization="int8"` every linear layer and the LM head are int8 (layers/linear.py),
+        with "int4" the layers are int4 (layers/linear_int4.py), with "auto" each linear is int4
+        where its weights already are 4-bit (a Q4 GGUF), else int8; `dtype` is then the
+        activations' dtype and that of the dense copy prefill rows use.
+        `ops`: norms, RoPE and SiLU (layers/layer_ops.py; default PyTorch's)."""
         self.cfg = cfg
         self.device = torch.device(device)
         self.dtype = dtype  # of the linear layers' weights and inputs
@@ -75,22 +129,7 @@ class LlamaModel:
         # the bytes. (PyTorch's own bf16 SDPA *decode* path is slow: the `torch` backend is
         # the reference there, not the fast path.)
         self.kv_dtype = dtype
-        dev = self.device
-        self.embed = _take(weights, "model.embed_tokens.weight", dtype, dev)
-        head = weights.pop("lm_head.weight", None)
-        tied = head is None or cfg.tie_word_embeddings
-        head = self.embed if tied else head.to(device=dev, dtype=dtype)  # type: ignore[union-attr]
-        # The head (often the embedding, kept at 8 bits by GGUF files) is int4 only where it
-        # already is 4-bit: logits are where a coarser weight shows most.
-        head_quant = "auto" if quantization == "int4" else quantization
-        self.lm_head = make_linear(head, head_quant, dtype)
-        self.norm = _take(weights, "model.norm.weight", torch.float32, dev)
-        self.layers = [
-            LlamaLayer(cfg, weights, i, dtype, dev, quantization)
-            for i in range(cfg.num_hidden_layers)
-        ]
-        if quantization == "auto":  # what it became, for whoever records the format
-            self.quantization = "int4" if isinstance(self.layers[0].qkv, Int4Linear) else "int8"
+        self._build_weights(weights, quantization)
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim: int = cfg.head_dim  # type: ignore[assignment]
@@ -100,9 +139,28 @@ class LlamaModel:
             cfg.rope_theta,
             cfg.rope_scaling,
             self.device,
+            rotary_dim=cfg.rotary_dim,
         )
         self.attn = attention or TorchPagedAttention(self.num_heads, self.num_kv_heads, self.head_dim)
         self.ops = ops or TorchLayerOps()
+
+    def _build_weights(self, weights: Weights, quantization: str | None) -> None:
+        dtype, dev = self.dtype, self.device
+        self.embed = _take(weights, "model.embed_tokens.weight", dtype, dev)
+        head = weights.pop("lm_head.weight", None)
+        tied = head is None or self.cfg.tie_word_embeddings
+        head = self.embed if tied else head.to(device=dev, dtype=dtype)  # type: ignore[union-attr]
+        # The head (often the embedding, kept at 8 bits by GGUF files) is int4 only where it
+        # already is 4-bit: logits are where a coarser weight shows most.
+        head_quant = "auto" if quantization == "int4" else quantization
+        self.lm_head = make_linear(head, head_quant, dtype)
+        self.norm = _take(weights, "model.norm.weight", torch.float32, dev)
+        self.layers = [
+            LlamaLayer(type(self), weights, i, dtype, dev, quantization)
+            for i in range(self.cfg.num_hidden_layers)
+        ]
+        if quantization == "auto":  # what it became, for whoever records the format
+            self.quantization = "int4" if isinstance(self.layers[0].qkv, Int4Linear) else "int8"
 
     @torch.inference_mode()
     def forward(
@@ -122,7 +180,7 @@ class LlamaModel:
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             x = ops.add_rms_norm(h, mlp_out, layer.input_norm, eps, self.dtype)
             q, k, v = ops.rope_split_qkv(layer.qkv(x), cos, sin, self.num_heads,
-                                         self.num_kv_heads, self.head_dim)
+                                         self.num_kv_heads, self.head_dim, layer.qk_norm, eps)
             attn = self.attn.forward(q, k, v, k_cache, v_cache, meta)
             x = ops.add_rms_norm(h, layer.o(attn), layer.post_norm, eps, self.dtype)
             mlp_out = layer.down(ops.silu_and_mul(layer.gate_up(x)))

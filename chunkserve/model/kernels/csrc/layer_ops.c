@@ -50,33 +50,54 @@ void silu_and_mul(const void *gate_up, void *out, int64_t bf16, int64_t T, int64
         }
 }
 
-/* NeoX-style RoPE (rotate half) of one head of D values, read from `src`, written to `dst`. */
-static inline void rotate(const void *src, int64_t s, void *dst, int64_t d, int64_t D,
-                          const float *cos, const float *sin, int bf16)
+#define MAX_HEAD_DIM 512 /* a head is normed and rotated in a stack buffer (the caller checks) */
+
+/* One head of D values from `src` to `dst`: RMSNorm'd first when `norm` is not NULL (Qwen3's
+ * per-head q/k norm, float32 weights), then NeoX-style RoPE (rotate half) over its first R
+ * values with cos/sin [R / 2]; values past R (partial rotary) pass through. */
+static inline void rope_head(const void *src, int64_t s, void *dst, int64_t d, int64_t D,
+                             int64_t R, const float *cos, const float *sin, const float *norm,
+                             float eps, int bf16)
 {
-    const int64_t half = D / 2;
-    for (int64_t i = 0; i < half; i++) {
-        const float x1 = load(src, s + i, bf16), x2 = load(src, s + half + i, bf16);
-        store(dst, d + i, x1 * cos[i] - x2 * sin[i], bf16);
-        store(dst, d + half + i, x2 * cos[i] + x1 * sin[i], bf16);
+    float x[MAX_HEAD_DIM];
+    for (int64_t i = 0; i < D; i++)
+        x[i] = load(src, s + i, bf16);
+    if (norm != NULL) {
+        float sum = 0.0f;
+        for (int64_t i = 0; i < D; i++)
+            sum += x[i] * x[i];
+        const float inv = 1.0f / sqrtf(sum / (float)D + eps);
+        for (int64_t i = 0; i < D; i++)
+            x[i] = x[i] * inv * norm[i];
     }
+    const int64_t half = R / 2;
+    for (int64_t i = 0; i < half; i++) {
+        store(dst, d + i, x[i] * cos[i] - x[half + i] * sin[i], bf16);
+        store(dst, d + half + i, x[half + i] * cos[i] + x[i] * sin[i], bf16);
+    }
+    for (int64_t i = R; i < D; i++)
+        store(dst, d + i, x[i], bf16);
 }
 
 /* Splits a fused QKV projection [T, (heads + 2 kv_heads) * D] into contiguous q [T, heads, D],
- * k and v [T, kv_heads, D], rotating q and k by their token's cos/sin rows [T, D / 2]
- * (float32). All of q, k, v and qkv share `bf16`. */
+ * k and v [T, kv_heads, D], rotating the first R values of each q and k head by their token's
+ * cos/sin rows [T, R / 2] (float32), after an RMSNorm of each head by q_norm / k_norm [D]
+ * where those are not NULL. All of q, k, v and qkv share `bf16`; D <= MAX_HEAD_DIM. */
 void rope_split_qkv(const void *qkv, const float *cos, const float *sin, void *q, void *k,
                     void *v, int64_t bf16, int64_t T, int64_t heads, int64_t kv_heads,
-                    int64_t D, int64_t num_threads)
+                    int64_t D, int64_t R, const float *q_norm, const float *k_norm, float eps,
+                    int64_t num_threads)
 {
     const int64_t width = (heads + 2 * kv_heads) * D, elem = bf16 ? 2 : 4;
 #pragma omp parallel for num_threads(num_threads) if (T * width >= PARALLEL_MIN_ELEMENTS)
     for (int64_t t = 0; t < T; t++) {
-        const float *c = cos + t * (D / 2), *s = sin + t * (D / 2);
+        const float *c = cos + t * (R / 2), *s = sin + t * (R / 2);
         for (int64_t h = 0; h < heads; h++)
-            rotate(qkv, t * width + h * D, q, (t * heads + h) * D, D, c, s, bf16);
+            rope_head(qkv, t * width + h * D, q, (t * heads + h) * D, D, R, c, s, q_norm, eps,
+                      bf16);
         for (int64_t h = 0; h < kv_heads; h++)
-            rotate(qkv, t * width + (heads + h) * D, k, (t * kv_heads + h) * D, D, c, s, bf16);
+            rope_head(qkv, t * width + (heads + h) * D, k, (t * kv_heads + h) * D, D, R, c, s,
+                      k_norm, eps, bf16);
         memcpy((char *)v + t * kv_heads * D * elem,
                (const char *)qkv + (t * width + (heads + kv_heads) * D) * elem,
                kv_heads * D * elem);

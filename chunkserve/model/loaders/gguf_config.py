@@ -1,0 +1,118 @@
+"""A GGUF file's metadata as a `DecoderConfig`: llama.cpp's keys, under the file's
+`general.architecture` prefix (`llama.embedding_length`, `qwen3.attention.key_length`, ...).
+
+Rope scaling that llama.cpp stores as tensors (Llama 3's `rope_freqs`, Phi-3's long/short
+factors) becomes HF's `rope_scaling` dict here too (gguf_rope.py), so the model reads one form.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import gguf
+import numpy as np
+
+from chunkserve.gguf_file import gguf_field
+from chunkserve.model.loaders.gguf_rope import rope_scaling_from_metadata
+from chunkserve.model.models.config import DecoderConfig
+from chunkserve.model.models.registry import Architecture, gguf_architecture
+
+# Not weights: rope scaling that llama.cpp keeps as tensors; it becomes config.
+ROPE_TENSORS = frozenset({"rope_freqs.weight", "rope_factors_long.weight",
+                          "rope_factors_short.weight"})
+
+
+def _f32(value: float) -> float:
+    """A float32 metadata value as the decimal it was written from (9.9999997e-06 -> 1e-05)."""
+    return float(str(np.float32(value)))
+
+
+def file_architecture(reader: gguf.GGUFReader) -> tuple[str, Architecture]:
+    """The file's `general.architecture` and the class that runs it."""
+    name = gguf_field(reader, "general.architecture")
+    return name, gguf_architecture(name)
+
+
+def read_config(reader: gguf.GGUFReader, path: str,
+                dequantize: Callable[[Any], np.ndarray]) -> DecoderConfig:
+    """`dequantize`: how to read a (rope) tensor as float32 numpy."""
+    arch_name, arch = file_architecture(reader)
+
+    def meta(key: str, default: Any = None) -> Any:
+        return gguf_field(reader, f"{arch_name}.{key}", default)
+
+    def required(key: str) -> int:
+        value = meta(key)
+        if value is None:
+            raise ValueError(f"{path}: GGUF file lacks the {arch_name}.{key} metadata key.")
+        return int(value)
+
+    hidden = required("embedding_length")
+    n_heads = required("attention.head_count")
+    head_dim = int(meta("attention.key_length", hidden // n_heads))
+    config = DecoderConfig(
+        vocab_size=_vocab_size(reader, meta("vocab_size"), path),
+        hidden_size=hidden,
+        intermediate_size=required("feed_forward_length"),
+        num_hidden_layers=required("block_count"),
+        num_attention_heads=n_heads,
+        num_key_value_heads=int(meta("attention.head_count_kv", n_heads)),
+        head_dim=head_dim,
+        rms_norm_eps=_f32(meta("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=_f32(meta("rope.freq_base", 10000.0)),
+        partial_rotary_factor=int(meta("rope.dimension_count", head_dim)) / head_dim,
+        max_position_embeddings=int(meta("context_length", 2048)),
+        tie_word_embeddings=all(t.name != "output.weight" for t in reader.tensors),
+        bos_token_id=gguf_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=_eos_token_ids(reader),
+        architecture=arch.hf_architectures[0],
+    )
+    config.set_rope_scaling(_rope_scaling(reader, config, meta, dequantize))
+    # Phi-3 files state their window (0: none); up to it, full attention is exact.
+    config.limit_to_window(meta("attention.sliding_window") or None)
+    return config
+
+
+def _rope_scaling(reader: gguf.GGUFReader, config: DecoderConfig, meta: Callable[..., Any],
+                  dequantize: Callable[[Any], np.ndarray]) -> dict[str, Any] | None:
+    """HF's rope_scaling dict from the file's keys and rope tensors (not yet checked)."""
+    tensors = {t.name: t for t in reader.tensors if t.name in ROPE_TENSORS}
+
+    def factors(name: str) -> np.ndarray | None:
+        return dequantize(tensors[name]) if name in tensors else None
+
+    scaling = rope_scaling_from_metadata(
+        scaling_type=meta("rope.scaling.type"),
+        factor=meta("rope.scaling.factor"),
+        original_context=meta("rope.scaling.original_context_length"),
+        freq_factors=factors("rope_freqs.weight"),
+        longrope=(factors("rope_factors_short.weight"), factors("rope_factors_long.weight")),
+        rope_theta=config.rope_theta,
+        rotary_dim=config.rotary_dim,
+    )
+    return scaling
+
+
+def _vocab_size(reader: gguf.GGUFReader, declared: Any, path: str) -> int:
+    """{arch}.vocab_size, else the tokenizer's token count, else the embedding's rows."""
+    if declared is not None:
+        return int(declared)
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    if tokens is not None:
+        return len(tokens.data)
+    embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    if embd is None:
+        raise ValueError(
+            f"{path}: cannot tell the vocabulary size (no vocab_size, tokens or token_embd)."
+        )
+    return int(embd.shape[1])
+
+
+def _eos_token_ids(reader: gguf.GGUFReader) -> list[int]:
+    # Chat models end a turn with EOT/EOM rather than EOS; the engine must stop on all of them.
+    eos_ids: list[int] = []
+    for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
+        token_id = gguf_field(reader, f"tokenizer.ggml.{key}")
+        if token_id is not None and token_id not in eos_ids:
+            eos_ids.append(int(token_id))
+    return eos_ids
