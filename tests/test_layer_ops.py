@@ -52,6 +52,30 @@ def test_rope_split_qkv(rows, dtype, heads, kv_heads, head_dim):
     assert torch.equal(out[2], ref[2])  # V is copied, not rotated
 
 
+@pytest.mark.parametrize("rows", [1, 130])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("qk_norm", [False, True])
+@pytest.mark.parametrize("head_dim,rotary_dim", [(128, 128), (96, 72), (64, 32)])
+def test_rope_split_qkv_with_qk_norm_and_partial_rotary(rows, dtype, qk_norm, head_dim,
+                                                        rotary_dim):
+    """Qwen3's per-head q/k RMSNorm before RoPE, and partial rotary (Phi-4-mini: 3/4 of each
+    head rotated, the rest passed through)."""
+    heads, kv_heads = 8, 2
+    gen = torch.Generator().manual_seed(rows + head_dim)
+    qkv = (torch.randn(rows, (heads + 2 * kv_heads) * head_dim, generator=gen) * 2).to(dtype)
+    norms = (torch.rand(head_dim, generator=gen) + 0.5, torch.rand(head_dim, generator=gen) + 0.5)
+    rope = RotaryEmbedding(head_dim, 4096, 1e6, None, rotary_dim=rotary_dim)
+    cos, sin = rope.cos_sin(torch.randint(0, 4096, (rows,), generator=gen))
+    args = (qkv, cos, sin, heads, kv_heads, head_dim, norms if qk_norm else None, 1e-6)
+    ref = TorchLayerOps().rope_split_qkv(*args)
+    out = CpuLayerOps().rope_split_qkv(*args)
+    for o, r in zip(out, ref):
+        _close(o, r.contiguous())
+    if not qk_norm:  # the dimensions past rotary_dim are q's and k's own values
+        q = qkv.view(rows, -1, head_dim)[:, :heads]
+        assert torch.equal(out[0][..., rotary_dim:], q[..., rotary_dim:])
+
+
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_silu_and_mul(rows, dtype):
