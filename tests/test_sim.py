@@ -414,3 +414,26 @@ def test_family_weights_decide_which_family_the_fit_follows():
     for n in (8, 64, 256):
         assert step_time(model, StepShape(prefill=[(n, 0)])) == pytest.approx(0.01 + 1e-4 * n,
                                                                                rel=0.02)
+
+
+@pytest.mark.parametrize("name,billions", [("qwen2.5-7b", 7.61), ("qwen3-8b", 8.19),
+                                           ("phi-3-mini", 3.82)])
+def test_new_architecture_presets_have_their_model_cards_size(name, billions):
+    """The simulator's shape of each preset: parameter counts as the model cards state them
+    (biases and norms are below the rounding), and the same linears as the checkpoint the
+    engine would load for it."""
+    from math import prod
+
+    from chunkserve.model.models.checkpoint import expected_shapes
+    from chunkserve.model.models.registry import config_from_hf
+    from chunkserve.presets import model_preset
+
+    spec = get_model(name)
+    assert spec.weight_bytes / spec.dtype_bytes / 1e9 == pytest.approx(billions, rel=0.01)
+    shapes = expected_shapes(config_from_hf(model_preset(name)))
+    layer = [s for n, s in shapes.items() if n.startswith("model.layers.0.") and len(s) == 2]
+    assert spec.layer_params == sum(prod(s) for s in layer)
+    model = RooflineCostModel(get_hardware("h100-sxm"), spec)
+    assert model.kv_cache_blocks(16) > 0
+    assert step_time(model, StepShape(prefill=[(512, 0)], decode_contexts=[1024] * 8,
+                                     num_sampled=9)) > 0
