@@ -130,3 +130,28 @@ def test_bf16_preset_runs_with_graphs():
     outs = llm.generate(PROMPTS[:3], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     assert all(len(o.outputs[0].token_ids) == 8 for o in outs)
     assert llm.engine.executor.graphs.num_replays > 0
+
+
+@pytest.mark.parametrize("name", ["qwen2", "qwen3", "phi3", "phi3-partial-rotary"])
+def test_every_architecture_matches_eager_and_transformers_with_graphs(tmp_path, name):
+    """The other architectures (tests/arch_models.py) on the GPU path: triton attention at head
+    sizes 64/128/96, CUDA graphs for decode steps, logits against transformers on the GPU."""
+    from arch_models import hf_model, save_hf_folder
+
+    folder = str(save_hf_folder(hf_model(name), tmp_path / name))
+    prompts = [[(37 * i + 11 * j) % 500 + 3 for i in range(n)] for j, n in enumerate((9, 40, 70))]
+    graphed = LLM(model=folder, dtype="float32", device="cuda", max_model_len=256,
+                  max_num_batched_tokens=32)
+    eager = LLM(model=folder, dtype="float32", device="cuda", max_model_len=256,
+                max_num_batched_tokens=32, enforce_eager=True)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    tokens = [[o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+              for llm in (graphed, eager)]
+    assert graphed.engine.executor.graphs.num_replays > 0
+    assert tokens[0] == tokens[1]
+    model = hf_model(name).cuda()
+    with torch.no_grad():
+        for prompt, ours in zip(prompts, tokens[0]):
+            out = model.generate(torch.tensor([prompt], device="cuda"), do_sample=False,
+                                 max_new_tokens=MAX_TOKENS, eos_token_id=None, pad_token_id=0)
+            assert out[0, len(prompt):].tolist() == ours
