@@ -64,6 +64,8 @@ CASES = [
     "80,bf16,64,3,16,64",  # SmolLM2's shape on an A100
     "80,fp32,64,3,16,1",  # the fp32 (ieee) path the GPU parity tests use
     "90,fp32,16,2,16,40",
+    "90,bf16,96,1,16,64",  # Phi-3-mini (head size 96, padded to 128 in the tiles)
+    "80,fp32,96,2,16,1",  # the GPU tests' tiny Phi-3, decode
 ]
 
 
