@@ -30,9 +30,8 @@ def _layer_shapes(config: DecoderConfig) -> dict[str, tuple[int, ...]]:
     linears = _linear_shapes(config)
     on_disk: dict[str, tuple[int, int]] = {}
     for fused, parts in arch.packed_modules_mapping.items():
-        if fused in arch.fused_on_disk:
-            rows = sum(linears[p][0] for p in parts)
-            on_disk[fused] = (rows, linears[parts[0]][1])
+        if arch.checkpoint_parts(fused) == (fused,):  # stored fused: the parts stacked
+            on_disk[fused] = (sum(linears[p][0] for p in parts), linears[parts[0]][1])
             for p in parts:
                 del linears[p]
     on_disk.update(linears)
