@@ -279,3 +279,11 @@ def test_a_qwen_gguf_brings_its_tokenizer_and_chat_template(tmp_path, smollm2_pa
     assert len(out.outputs[0].token_ids) == GREEDY.max_tokens
     prompt = tokenizer.apply_chat_template(CHAT)
     assert out.prompt_token_ids == tokenizer.encode(prompt, add_special_tokens=False)
+
+
+def test_generation_config_eos_ids_stop_too(folders, tmp_path):
+    """Phi-3's config.json names <|endoftext|>, its generation_config.json also <|end|>: a chat
+    turn must stop at either, as in vLLM."""
+    folder = _edited_folder(folders, "phi3", tmp_path)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7, 9]}))
+    assert load_model(str(folder), "float32").config.eos_token_ids == [2, 7, 9]

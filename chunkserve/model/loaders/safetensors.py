@@ -26,7 +26,22 @@ def _safetensors_files(path: str) -> list[str]:
 def _read_config(path: str) -> DecoderConfig:
     with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
         raw = json.load(f)
-    return config_from_hf(raw, path)
+    config = config_from_hf(raw, path)
+    # Chat models list the end of a turn among generation_config.json's EOS ids, not always in
+    # config.json (Phi-3: <|end|>); vLLM stops on both, so do we.
+    for eos in _generation_eos_ids(path):
+        if eos not in config.eos_token_ids:
+            config.eos_token_ids.append(eos)
+    return config
+
+
+def _generation_eos_ids(path: str) -> list[int]:
+    file = os.path.join(path, "generation_config.json")
+    if not os.path.isfile(file):
+        return []
+    with open(file, encoding="utf-8") as f:
+        eos = json.load(f).get("eos_token_id")
+    return [] if eos is None else [int(e) for e in ([eos] if isinstance(eos, int) else eos)]
 
 
 def _tensor_names(path: str, files: list[str]) -> set[str]:
