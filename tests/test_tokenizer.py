@@ -163,9 +163,10 @@ def test_llama3_pre_tokenizer_against_transformers(tmp_path: Path) -> None:
 
 
 def test_unsupported_tokenizer_and_missing_template(tmp_path: Path) -> None:
-    path = tmp_path / "spm.gguf"
-    _write_tokenizer_gguf(path, "llama", "default", ["<unk>", "<s>", "▁a"], [], [2, 3, 1])
-    with pytest.raises(ValueError, match="tokenizer model 'llama' is not supported"):
+    # SentencePiece ("llama") vocabularies load now (test_gguf_tokenizers.py); T5's do not.
+    path = tmp_path / "t5.gguf"
+    _write_tokenizer_gguf(path, "t5", "default", ["<pad>", "</s>", "<unk>"], [], [3, 3, 2])
+    with pytest.raises(ValueError, match="tokenizer model 't5' is not supported"):
         load_tokenizer(str(path))
 
     path = tmp_path / "bpe.gguf"
