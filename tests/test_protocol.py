@@ -149,6 +149,129 @@ def test_message_dicts_flatten_text_parts() -> None:
     assert req.add_generation_prompt is True
 
 
+def test_message_dicts_keep_tool_fields_as_vllm() -> None:
+    # vLLM's chat_utils: content null -> "" (the "string" content format), assistant tool_calls
+    # with arguments decoded to objects, reasoning under both names, tool_call_id on tool
+    # messages; fields on the wrong role are dropped.
+    call = {"id": "c1", "type": "function",
+            "function": {"name": "f", "arguments": '{"x":1,"y":[true,null]}'}}
+    req = ChatCompletionRequest(messages=[
+        {"role": "user", "content": "go", "tool_call_id": "stray", "reasoning_content": "no"},
+        {"role": "assistant", "content": None, "tool_calls": [call],
+         "reasoning_content": "think"},
+        {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "ok"}],
+         "name": "f"},
+        {"role": "assistant", "content": "done", "reasoning": "r", "reasoning_content": "old",
+         "tool_calls": []},
+    ])
+    assert req.message_dicts() == [
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "content": "", "reasoning": "think", "reasoning_content": "think",
+         "tool_calls": [{"id": "c1", "type": "function",
+                         "function": {"name": "f", "arguments": {"x": 1, "y": [True, None]}}}]},
+        {"role": "tool", "content": "ok", "tool_call_id": "c1", "name": "f"},
+        {"role": "assistant", "content": "done", "reasoning": "r", "reasoning_content": "r"},
+    ]
+    # The request itself is not modified: the arguments stay text in the model.
+    assert req.messages[1].tool_calls == [call]
+
+
+@pytest.mark.parametrize("arguments,expected", [
+    ('{"a": "b"}', {"a": "b"}),
+    ({"a": "b"}, {"a": "b"}),  # already an object (what transformers' docs use)
+    ("", {}),
+    (None, {}),
+    ("not json", {}),  # vLLM: a warning, not an error (it sits in the history)
+    ("[1, 2]", {}),  # valid JSON, but not an object
+    ("42", {}),
+])
+def test_tool_call_arguments_as_vllm(arguments: object, expected: object) -> None:
+    function: dict[str, object] = {"name": "f"}
+    if arguments is not None:
+        function["arguments"] = arguments
+    req = ChatCompletionRequest(messages=[
+        {"role": "assistant", "tool_calls": [{"id": "c", "function": function}]}])
+    (call,) = req.message_dicts()[0]["tool_calls"]
+    assert call == {"id": "c", "function": {"name": "f", "arguments": expected}}
+
+
+@pytest.mark.parametrize("tool_calls,message", [
+    ("x", "must be a list of tool calls"),
+    ([1], "tool calls must be objects"),
+    ([{"function": {"name": "f"}}], "string `id`"),
+    ([{"id": "c", "type": "custom", "function": {"name": "f"}}], "type 'function'"),
+    ([{"id": "c"}], "`function` object"),
+    ([{"id": "c", "function": {"arguments": "{}"}}], "string `name`"),
+    ([{"id": "c", "function": {"name": "f", "arguments": 3}}], "`arguments` must be a JSON"),
+])
+def test_bad_tool_calls_rejected(tool_calls: object, message: str) -> None:
+    with pytest.raises(ValidationError) as ei:
+        ChatCompletionRequest(messages=[{"role": "assistant", "tool_calls": tool_calls}])
+    msg, param = validation_error_message(ei.value)
+    assert msg.startswith("messages.0.tool_calls: ") and message in msg and param == "messages"
+
+
+def test_template_kwargs() -> None:
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    docs = [{"title": "t", "text": "x"}]
+    req = chat(chat_template_kwargs={"enable_thinking": False, "add_generation_prompt": False,
+                                     "continue_final_message": True, "tools": "overridden"},
+               tools=[tool], documents=docs)
+    # The request's own fields win (as vLLM's build_chat_params merges them).
+    assert req.template_kwargs() == {"enable_thinking": False, "tools": [tool],
+                                     "documents": docs}
+    assert req.add_generation_prompt and not req.continue_final_message
+    assert req.tool_choice == "auto"  # vLLM's default when tools are given
+    assert chat().template_kwargs() == {} and chat().tool_choice is None
+    # Tools reach the template as sent: key order and extra keys kept.
+    odd = {"function": {"parameters": {}, "name": "g", "strict": True}, "type": "function"}
+    assert json.dumps(chat(tools=[odd]).template_kwargs()["tools"]) == json.dumps([odd])
+
+
+@pytest.mark.parametrize("body,param,message", [
+    ({"chat_template_kwargs": 1}, "chat_template_kwargs", "Input should be a valid dictionary"),
+    ({"chat_template_kwargs": {"tokenize": False, "chat_template": None}},
+     "chat_template_kwargs",
+     "Found unexpected chat template kwargs from request: {'chat_template', 'tokenize'}"),
+    ({"chat_template": "x"}, "chat_template", "untrusted chat template"),
+    ({"continue_final_message": True}, "continue_final_message", "Cannot set both"),
+    ({"tools": []}, "tools", "must not be an empty array"),
+    ({"tools": [{"type": "retrieval", "function": {"name": "f"}}]}, "tools", '"function"'),
+    ({"tools": [{"function": {"name": "f", "parameters": "{}"}}]}, "tools", "JSON schema"),
+    ({"tools": [{"function": {"name": "f", "description": 1}}]}, "tools", "`description`"),
+    ({"documents": [{"title": 1}]}, "documents", "valid string"),
+    ({"tool_choice": "auto"}, "tool_choice", "When using `tool_choice`, `tools` must be set."),
+])
+def test_chat_template_field_errors(body: dict[str, object], param: str, message: str) -> None:
+    for make in (chat, lambda **kw: TokenizeRequest(messages=USER, **kw)):
+        if "tool_choice" in body and make is not chat:
+            continue  # /tokenize has no tool_choice
+        with pytest.raises(ValidationError) as ei:
+            make(**body)
+        msg, got_param = validation_error_message(ei.value)
+        assert message in msg and got_param == param, (msg, got_param)
+
+
+@pytest.mark.parametrize("tool_choice,message", [
+    ("required", 'tool_choice="required" is not supported'),
+    ({"type": "function", "function": {"name": "f"}}, 'tool_choice=function "f" is not'),
+    ({"type": "function", "function": {"name": "g"}}, "does not match any of the specified"),
+    ({"type": "function", "function": "f"}, "Invalid value for `function`: `f`"),
+    ({"type": "function", "function": {}}, "Expected field `name`"),
+    ({"type": "function", "function": {"name": ""}}, "Invalid `name` in `function`"),
+    ("any", "Invalid value for `tool_choice`: any!"),
+])
+def test_tool_choice_without_a_parser(tool_choice: object, message: str) -> None:
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    for ok in ("auto", "none", None):
+        assert chat(tools=tools, tool_choice=ok).tool_choice == ok
+    assert chat(tool_choice="none").tool_choice == "none"  # "none" needs no tools (vLLM)
+    with pytest.raises(ValidationError) as ei:
+        chat(tools=tools, tool_choice=tool_choice)
+    msg, param = validation_error_message(ei.value)
+    assert message in msg and param == "tool_choice", msg
+
+
 def test_non_text_content_rejected() -> None:
     image = {"type": "image_url", "image_url": {"url": "http://x"}}
     with pytest.raises(ValidationError) as ei:
@@ -281,14 +404,24 @@ def test_unknown_fields_accepted_and_listed() -> None:
     req = CompletionRequest(prompt="x", frequency_penalty=0.5, best_of=2)
     assert req.unknown_fields() == ["best_of", "frequency_penalty"]
     assert chat().unknown_fields() == []
-    assert chat(tools=[], response_format={"type": "text"}).unknown_fields() == [
-        "response_format", "tools"]
+    assert chat(response_format={"type": "text"}, parallel_tool_calls=True).unknown_fields() == [
+        "parallel_tool_calls", "response_format"]
+    # vLLM's chat template fields are known.
+    known = chat(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="auto",
+                 chat_template_kwargs={"enable_thinking": False}, documents=[],
+                 continue_final_message=False)
+    assert known.unknown_fields() == []
 
 
 def test_tokenize_requests() -> None:
     assert TokenizeRequest(prompt="hi").add_special_tokens is True
     req = TokenizeRequest(messages=USER, add_generation_prompt=False)
     assert req.message_dicts() == USER and req.add_generation_prompt is False
+    # vLLM's chat template fields, as on chat requests.
+    req = TokenizeRequest(messages=USER, tools=[{"function": {"name": "f"}}],
+                          chat_template_kwargs={"enable_thinking": False})
+    assert req.template_kwargs() == {"enable_thinking": False,
+                                     "tools": [{"function": {"name": "f"}}]}
     for bad in ({}, {"prompt": "a", "messages": USER}):
         with pytest.raises(ValidationError, match="Exactly one"):
             TokenizeRequest(**bad)

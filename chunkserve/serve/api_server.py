@@ -114,7 +114,8 @@ async def prometheus(raw: Request) -> Response:
 async def tokenize(req: TokenizeRequest, serving: Serving = Depends(get_serving)) -> dict[str, Any]:
     serving.check_model(req.model)
     if req.messages is not None:
-        text = await serving.render_chat(req.message_dicts(), req.add_generation_prompt)
+        text = await serving.render_chat(req.message_dicts(), req.add_generation_prompt,
+                                         req.continue_final_message, req.template_kwargs())
         tokens = await serving.tokenize(text, add_special_tokens=False)
     else:
         tokens = await serving.tokenize(req.prompt or "", req.add_special_tokens)

@@ -90,7 +90,8 @@ async def chat(
 ) -> Response:
     _check(req, serving)
     serving.check_size(1, req.n)
-    text = await serving.render_chat(req.message_dicts(), req.add_generation_prompt)
+    text = await serving.render_chat(req.message_dicts(), req.add_generation_prompt,
+                                     req.continue_final_message, req.template_kwargs())
     prompts = await serving.prepare([text], req.to_sampling_params, req.priority,
                                     add_special_tokens=False)
     ticket = serving.admit(req.n)

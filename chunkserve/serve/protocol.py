@@ -13,6 +13,8 @@ tokenizer or UTF-8 encoder accepts), and the fields the engine never sees (n, pr
 """
 from __future__ import annotations
 
+import json
+import logging
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -26,6 +28,8 @@ from chunkserve.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 if TYPE_CHECKING:  # only for the annotation: protocol.py must not need fastapi to import
     import pydantic
     from fastapi.exceptions import RequestValidationError
+
+log = logging.getLogger("chunkserve.server")
 
 # vLLM's default --max-logprobs; larger requests are rejected up front.
 MAX_LOGPROBS = 20
@@ -105,10 +109,20 @@ class TextContentPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")  # tool_calls etc. are tolerated, not used
+    """One message as a chat template sees it, kept as vLLM keeps it (its chat_utils
+    `_parse_chat_message_content` and `_postprocess_messages`): text content joined into one
+    string (`null` becomes "", as vLLM's "string" content format has it: templates such as
+    Qwen3's fail on an assistant turn without content), `name`, an assistant's `tool_calls`
+    (arguments decoded into an object) and reasoning, a tool message's `tool_call_id`."""
+
+    model_config = ConfigDict(extra="allow")  # other OpenAI fields are tolerated, not used
     role: str
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    reasoning: str | None = None
+    reasoning_content: str | None = None  # vLLM's older name for `reasoning`
 
     @field_validator("content", mode="before")
     @classmethod
@@ -125,6 +139,30 @@ class ChatMessage(BaseModel):
                 raise _error("text content parts need a string `text`")
         return v
 
+    @field_validator("tool_calls", mode="before")
+    @classmethod
+    def _tool_calls_shape(cls, v: Any) -> Any:
+        # OpenAI's shape: [{"id", "type": "function", "function": {"name", "arguments"}}];
+        # as in vLLM a missing type means "function", and arguments may already be an object.
+        if v is None:
+            return v
+        if not isinstance(v, list):
+            raise _error("must be a list of tool calls")
+        for call in v:
+            if not isinstance(call, dict):
+                raise _error("tool calls must be objects")
+            if not isinstance(call.get("id"), str):
+                raise _error("each tool call needs a string `id`")
+            function = call.get("function")
+            if call.get("type", "function") != "function" or not isinstance(function, dict):
+                raise _error("only tool calls of type 'function', with a `function` object, "
+                             "are supported")
+            if not isinstance(function.get("name"), str):
+                raise _error("a tool call's function needs a string `name`")
+            if not isinstance(function.get("arguments"), str | dict | None):
+                raise _error("a tool call's `arguments` must be a JSON string")
+        return v
+
     def text(self) -> str:
         if self.content is None:
             return ""
@@ -132,11 +170,43 @@ class ChatMessage(BaseModel):
             return self.content
         return "\n".join(p.text for p in self.content)  # vLLM's "string" content format
 
-    def as_dict(self) -> dict[str, str]:
-        d = {"role": self.role, "content": self.text()}
+    def as_dict(self) -> dict[str, Any]:
+        """The message for a chat template: what vLLM hands to `apply_chat_template`."""
+        d: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.role == "assistant":
+            if self.tool_calls:  # an empty list is dropped: the template's plain assistant path
+                d["tool_calls"] = [_template_tool_call(c) for c in self.tool_calls]
+            reasoning = self.reasoning if self.reasoning is not None else self.reasoning_content
+            if reasoning is not None:
+                d["reasoning"] = d["reasoning_content"] = reasoning
+        elif self.role == "tool" and self.tool_call_id is not None:
+            d["tool_call_id"] = self.tool_call_id
         if self.name is not None:
             d["name"] = self.name
         return d
+
+
+def _template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
+    """A tool call with its arguments as an object, the form transformers documents for chat
+    templates. As vLLM's `_postprocess_messages`: a missing or empty `arguments` is {}, and text
+    that is not a JSON object becomes {} with a warning rather than an error, since it sits in
+    the history and would fail every later turn of the conversation."""
+    function = dict(call["function"])
+    arguments = function.get("arguments")
+    if isinstance(arguments, str) and arguments:
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            log.warning("tool call %r: arguments are not valid JSON; using {}",
+                        function.get("name"))
+            arguments = {}
+    if not isinstance(arguments, dict):
+        if arguments not in (None, ""):
+            log.warning("tool call %r: arguments are not a JSON object; using {}",
+                        function.get("name"))
+        arguments = {}
+    function["arguments"] = arguments
+    return {**call, "function": function}
 
 
 class _SamplingRequest(_Request):
@@ -233,13 +303,149 @@ class CompletionRequest(_SamplingRequest):
         return self._sampling_params(max_tokens, self.logprobs)
 
 
-class ChatCompletionRequest(_SamplingRequest):
+# --- chat template fields ---------------------------------------------------------------------
+
+# chat_template_kwargs names vLLM refuses (its resolve_chat_template_kwargs).
+_UNEXPECTED_TEMPLATE_KWARGS = ("chat_template", "tokenize")
+UNTRUSTED_TEMPLATE = ("Chat template is passed with request, but this server does not take chat "
+                      "templates from requests (vLLM: --trust-request-chat-template is not set). "
+                      "Refused request with untrusted chat template.")
+
+
+class _ChatTemplateRequest(_Request):
+    """vLLM's chat template fields, shared by /v1/chat/completions and /tokenize.
+
+    `chat_template_kwargs` are extra template variables (e.g. Qwen3's `enable_thinking`); as in
+    vLLM, the request's own fields win over the same names in it (`add_generation_prompt`,
+    `continue_final_message`, and `tools` / `documents` when given), and names the template
+    does not read are dropped (serve/chat_prompt.py).
+    """
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: list[dict[str, Any]] | None = None
+    documents: list[dict[str, str]] | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _tools_shape(cls, v: Any) -> Any:
+        # vLLM's ChatCompletionToolsParam: {"type": "function", "function": {"name",
+        # "description"?, "parameters"?}}. The tools reach the template as sent.
+        if v is None:
+            return v
+        if isinstance(v, list) and not v:
+            raise _error("`tools` must not be an empty array. Either provide at least one tool "
+                         "or omit the field entirely.")
+        if not isinstance(v, list) or not all(isinstance(t, dict) for t in v):
+            raise _error("must be a list of tool objects")
+        for tool in v:
+            function = tool.get("function")
+            if tool.get("type", "function") != "function" or not isinstance(function, dict):
+                raise _error('only tools of type "function", with a `function` object, are '
+                             "supported")
+            if not isinstance(function.get("name"), str):
+                raise _error("a tool's function needs a string `name`")
+            if not isinstance(function.get("description"), str | None):
+                raise _error("a tool's function `description` must be a string")
+            if not isinstance(function.get("parameters"), dict | None):
+                raise _error("a tool's function `parameters` must be an object (a JSON schema)")
+        return v
+
+    @model_validator(mode="after")
+    def _template_fields(self) -> _ChatTemplateRequest:
+        kwargs = self.chat_template_kwargs or {}
+        if self.chat_template is not None:
+            raise _error(UNTRUSTED_TEMPLATE, "chat_template")
+        if kwargs.get("chat_template") is not None:
+            raise _error(UNTRUSTED_TEMPLATE, "chat_template_kwargs")
+        unexpected = [k for k in _UNEXPECTED_TEMPLATE_KWARGS if k in kwargs]
+        if unexpected:  # vLLM prints the set; sorted here, so the message is stable
+            names = ", ".join(repr(k) for k in unexpected)
+            raise _error(f"Found unexpected chat template kwargs from request: {{{names}}}",
+                         "chat_template_kwargs")
+        if "messages" in kwargs:
+            raise _error("chat_template_kwargs cannot set `messages`: the conversation is the "
+                         "request's `messages`.", "chat_template_kwargs")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise _error("Cannot set both `continue_final_message` and `add_generation_prompt` "
+                         "to True.", "continue_final_message")
+        return self
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """The template variables besides messages and add_generation_prompt."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        kwargs.pop("add_generation_prompt", None)
+        kwargs.pop("continue_final_message", None)
+        if self.tools is not None:
+            kwargs["tools"] = self.tools
+        if self.documents is not None:
+            kwargs["documents"] = self.documents
+        return kwargs
+
+
+class ChatCompletionRequest(_SamplingRequest, _ChatTemplateRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     max_tokens: int | None = None  # deprecated by OpenAI; max_completion_tokens wins
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    add_generation_prompt: bool = True
+    # "none" | "auto" | "required" | {"type": "function", "function": {"name"}}; "auto" when
+    # tools are given without it. Tools reach the prompt either way; the reply is text (no
+    # tool-call parser), so "required" and a named function are refused.
+    tool_choice: str | dict[str, Any] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _tool_choice(cls, data: Any) -> Any:
+        # vLLM's ChatCompletionRequest.check_tool_usage, with its messages.
+        if not isinstance(data, dict):
+            return data
+        tools = data.get("tools")
+        if "tool_choice" not in data and isinstance(tools, list) and tools:
+            return {**data, "tool_choice": "auto"}
+        choice = data.get("tool_choice")
+        if choice is None or choice == "none":
+            return data
+        if tools is None:
+            raise _error("When using `tool_choice`, `tools` must be set.", "tool_choice")
+        if choice not in ("auto", "required") and not isinstance(choice, dict):
+            raise _error(f"Invalid value for `tool_choice`: {choice}! Only named tools, "
+                         '"none", "auto" or "required" are supported.', "tool_choice")
+        if isinstance(choice, dict):
+            usage_hint = ('Correct usage: `{"type": "function", "function": {"name": '
+                          '"my_function"}}`')
+            function = choice.get("function")
+            if not isinstance(function, dict):
+                raise _error(f"Invalid value for `function`: `{function}` in `tool_choice`! "
+                             f"{usage_hint}", "tool_choice")
+            if "name" not in function:
+                raise _error(f"Expected field `name` in `function` in `tool_choice`! "
+                             f"{usage_hint}", "tool_choice")
+            name = function["name"]
+            if not isinstance(name, str) or not name:
+                raise _error(f"Invalid `name` in `function`: `{name}` in `tool_choice`! "
+                             f"{usage_hint}", "tool_choice")
+            if isinstance(tools, list) and not any(
+                    isinstance(t, dict) and isinstance(t.get("function"), dict)
+                    and t["function"].get("name") == name for t in tools):
+                raise _error("The tool specified in `tool_choice` does not match any of the "
+                             "specified `tools`", "tool_choice")
+        return data
+
+    @model_validator(mode="after")
+    def _tool_choice_supported(self) -> ChatCompletionRequest:
+        choice = self.tool_choice
+        if choice is None or choice in ("none", "auto"):
+            return self
+        desc = (f'function "{choice["function"]["name"]}"' if isinstance(choice, dict)
+                else f'"{choice}"')
+        # vLLM answers "tool_choice=... requires --tool-call-parser to be set".
+        raise _error(f"tool_choice={desc} is not supported: it needs a tool-call parser (vLLM's "
+                     '--tool-call-parser), which this server does not have. Use "auto" or '
+                     '"none": the tools still reach the prompt, and the reply comes back as '
+                     "text.", "tool_choice")
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
@@ -248,8 +454,8 @@ class ChatCompletionRequest(_SamplingRequest):
                          "top_logprobs")
         return self
 
-    def message_dicts(self) -> list[dict[str, str]]:
-        """Messages with string content, ready for a jinja chat template."""
+    def message_dicts(self) -> list[dict[str, Any]]:
+        """The messages as a chat template sees them (ChatMessage.as_dict)."""
         return [m.as_dict() for m in self.messages]
 
     def to_sampling_params(self, default_max_tokens: int | None) -> SamplingParams:
@@ -263,12 +469,13 @@ class ChatCompletionRequest(_SamplingRequest):
         return self._sampling_params(max_tokens, logprobs)
 
 
-class TokenizeRequest(_Request):
+class TokenizeRequest(_ChatTemplateRequest):
+    """vLLM's /tokenize: a `prompt`, or chat `messages` with the chat template fields."""
+
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
-    add_generation_prompt: bool = True
 
     @model_validator(mode="after")
     def _exactly_one_input(self) -> TokenizeRequest:
@@ -276,7 +483,7 @@ class TokenizeRequest(_Request):
             raise _error("Exactly one of `prompt` or `messages` must be given.")
         return self
 
-    def message_dicts(self) -> list[dict[str, str]]:
+    def message_dicts(self) -> list[dict[str, Any]]:
         return [m.as_dict() for m in self.messages or []]
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import fields, replace
 from typing import Any
@@ -16,8 +17,11 @@ from chunkserve.tokenizer.tokenizer import Tokenizer
 from chunkserve.outputs import RequestOutput
 from chunkserve.sampling_params import INT64_MIN, SamplingParams
 from chunkserve.serve.async_engine import AsyncEngine, ShuttingDownError, Ticket
+from chunkserve.serve.chat_prompt import render_chat_prompt
 from chunkserve.serve.prompt_bound import TokenCountBound
 from chunkserve.serve.protocol import MAX_SEQUENCES
+
+log = logging.getLogger("chunkserve.server")
 
 
 class ApiError(Exception):
@@ -66,18 +70,26 @@ class Serving:
         # Tokenization runs in a worker thread: neither the event loop nor the engine waits.
         return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens)
 
-    async def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
-        """The chat template applied to `messages`, in a worker thread; 400 when it refuses them.
+    async def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                          continue_final_message: bool = False,
+                          template_kwargs: dict[str, Any] | None = None) -> str:
+        """The chat template applied to `messages` (and tools, documents, chat_template_kwargs:
+        serve/chat_prompt.py), in a worker thread; 400 when it refuses them.
 
-        A template raises for conversations it cannot format (roles out of order, a missing
-        field): jinja2's errors are not ValueErrors, and used to surface as 500s.
+        Any exception from rendering is the request's doing, as in vLLM's
+        safe_apply_chat_template: a template raises for conversations it cannot format (roles
+        out of order, a missing field), and its expressions raise on the values a client put
+        in chat_template_kwargs or the messages (jinja2's errors are not ValueErrors, and used
+        to surface as 500s).
         """
         try:
-            return await asyncio.to_thread(
-                self.tokenizer.apply_chat_template, messages, add_generation_prompt
-            )
-        except (ValueError, jinja2.TemplateError) as e:  # no template, or it rejected these
-            raise ApiError(400, f"The chat template could not format these messages: {e}",
+            return await asyncio.to_thread(render_chat_prompt, self.tokenizer, messages,
+                                           add_generation_prompt, continue_final_message,
+                                           template_kwargs)
+        except Exception as e:  # noqa: BLE001 - the client's input, reported back as a 400
+            log.debug("chat template refused a request", exc_info=True)
+            detail = str(e) if isinstance(e, ValueError | jinja2.TemplateError) else repr(e)
+            raise ApiError(400, f"The chat template could not format these messages: {detail}",
                            param="messages") from e
 
     async def tokenize_prompt(self, text: str, add_special_tokens: bool = True) -> list[int]:
