@@ -2,11 +2,12 @@
 
 Tokenizing is the one step of a request whose cost grows with what the client sends: a few MiB
 of text take seconds of CPU (a 5 MB prompt took 7 s here), only for the prompt to be refused as
-longer than the context. With byte-level BPE (SmolLM2, Llama 3, every GGUF chunkserve loads)
+longer than the context. With byte-level BPE (SmolLM2, Llama 3, Qwen: `gpt2` GGUF vocabularies)
 each token stands for a fixed run of the text's UTF-8 bytes, at most `max_token_bytes` long, so
 a text of B bytes has at least B // max_token_bytes tokens and one far past the context can be
 refused at once. A normalizer may shrink text before that split (NFKC, lowercasing, stripping),
-and other decoders do not give a token's bytes back exactly: such tokenizers get no bound.
+and other decoders do not give a token's bytes back exactly: such tokenizers (SentencePiece
+vocabularies: Llama 2, Mistral, Phi-3 GGUFs) get no bound.
 """
 from __future__ import annotations
 
