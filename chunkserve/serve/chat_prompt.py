@@ -9,13 +9,9 @@ transformers 5.x does it: a tag after its text, rendered, then cut off.
 """
 from __future__ import annotations
 
-from functools import lru_cache
 from typing import Any
 
-import jinja2
-import jinja2.ext
-import jinja2.meta
-
+from chunkserve.tokenizer.chat_template import template_variables
 from chunkserve.tokenizer.tokenizer import Tokenizer
 
 # transformers' marker (render_jinja_template): appended to the final message, cut after
@@ -24,27 +20,6 @@ CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 # Variables given to every template whether or not it reads them (transformers always defines
 # tools and documents).
 _ALWAYS_PASSED = frozenset({"tools", "documents"})
-
-
-class _GenerationTag(jinja2.ext.Extension):
-    # `{% generation %}...{% endgeneration %}` (transformers' training-mask tag): parsed only to
-    # list a template's variables, so the body is all that matters.
-    tags = {"generation"}
-
-    def parse(self, parser: Any) -> list[Any]:
-        next(parser.stream)
-        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
-
-
-@lru_cache(maxsize=8)
-def template_variables(template: str) -> frozenset[str] | None:
-    """The variables a template reads without setting them; None when it does not parse (then
-    rendering reports the error)."""
-    env = jinja2.Environment(extensions=[_GenerationTag, jinja2.ext.loopcontrols])
-    try:
-        return frozenset(jinja2.meta.find_undeclared_variables(env.parse(template)))
-    except jinja2.TemplateSyntaxError:
-        return None
 
 
 def _read_by(template: str, kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import jinja2.nodes
 import jinja2.utils
 import numpy as np
@@ -87,8 +88,8 @@ class _GenerationTag(jinja2.ext.Extension):
         return caller()
 
 
-@lru_cache(maxsize=8)
-def _compile(template: str) -> jinja2.Template:
+@lru_cache(maxsize=1)
+def _environment() -> ImmutableSandboxedEnvironment:
     version = tuple(int(p) for p in jinja2.__version__.split(".")[:3] if p.isdigit())
     if version < _MIN_JINJA2:
         raise ImportError(f"chat templates need jinja2>=3.1.6 (sandbox fixes); found "
@@ -104,7 +105,23 @@ def _compile(template: str) -> jinja2.Template:
     env.globals["strftime_now"] = _strftime_now
     env.globals["dict"] = _TemplateDict()
     env.globals["namespace"] = _TemplateNamespace
-    return env.from_string(template)
+    return env
+
+
+@lru_cache(maxsize=8)
+def _compile(template: str) -> jinja2.Template:
+    return _environment().from_string(template)
+
+
+@lru_cache(maxsize=8)
+def template_variables(template: str) -> frozenset[str] | None:
+    """The variables a template reads without setting them (what a request's
+    chat_template_kwargs may usefully set); None when it does not parse (rendering then
+    reports the error)."""
+    try:
+        return frozenset(jinja2.meta.find_undeclared_variables(_environment().parse(template)))
+    except jinja2.TemplateSyntaxError:
+        return None
 
 
 def _plain(value: Any) -> Any:
