@@ -30,7 +30,8 @@ from test_chat_templates import (  # noqa: F401 - hf_folders is a fixture used h
     load_template,
 )
 
-from chunkserve.serve.chat_prompt import render_chat_prompt, template_variables
+from chunkserve.serve.chat_prompt import render_chat_prompt
+from chunkserve.tokenizer.chat_template import template_variables
 from chunkserve.serve.protocol import ChatCompletionRequest
 from chunkserve.tokenizer.tokenizer import Tokenizer
 
