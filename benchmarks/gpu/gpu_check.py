@@ -33,6 +33,7 @@ import torch
 # The repository root, so that `benchmarks.*` imports when this file runs as a script.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 # engine_speed's prefill and decode loops are reused as they are.
+from benchmarks.common.report import save_report  # noqa: E402
 from benchmarks.engine import engine_speed  # noqa: E402
 
 from chunkserve.cli import main as chunkserve_main  # noqa: E402
@@ -277,12 +278,7 @@ def main() -> int:
         report["seconds"][name] = round(time.monotonic() - t0, 1)
     report["elapsed_s"] = time.monotonic() - start
     report["targets"] = verdicts(report)
-    with open(os.path.join(args.out, "summary.json"), "w") as f:
-        json.dump(report, f, indent=1)
-    text = markdown(report)
-    with open(os.path.join(args.out, "summary.md"), "w") as f:
-        f.write(text)
-    print(text)
+    save_report(args.out, "summary", report, markdown(report))
     return 1 if report["errors"] else 0
 
 

@@ -53,13 +53,9 @@ KV_DTYPES = {"bfloat16": torch.bfloat16, "fp8_e4m3": FP8_BY_NAME["fp8_e4m3"],
              "fp8_e5m2": FP8_BY_NAME["fp8_e5m2"]}
 
 
-def compile_kernel(source_dir: str, out_dir: str, source: str = "paged_decode.c",
-                   symbol: str = "paged_decode_attention", argtypes: list | None = None,
-                   kv_kind_at: int = 5) -> Callable[..., int]:
+def build_library(source_dir: str, out_dir: str, source: str) -> tuple[ctypes.CDLL, str]:
     """One kernel source of `source_dir` compiled as the engine compiles it (with storage.c,
-    where that tree has it), and its entry point (chunk_kernel_ab.py passes the chunk
-    kernel's). The caller always passes the cache's storage kind as argument `kv_kind_at`;
-    kernels from before fp8 caches take no such argument, and are called without it."""
+    where that tree has it), loaded; and the source's text (callers check its signature)."""
     so = os.path.join(out_dir, source.replace(".c", ".so"))
     sources = [os.path.join(source_dir, n) for n in (source, "storage.c")
                if os.path.exists(os.path.join(source_dir, n))]
@@ -67,8 +63,19 @@ def compile_kernel(source_dir: str, out_dir: str, source: str = "paged_decode.c"
     if error:
         sys.exit(error)
     with open(sources[0]) as f:
-        takes_kind = "kv_kind" in f.read()
-    fn = getattr(ctypes.CDLL(so), symbol)
+        return ctypes.CDLL(so), f.read()
+
+
+def compile_kernel(source_dir: str, out_dir: str, source: str = "paged_decode.c",
+                   symbol: str = "paged_decode_attention", argtypes: list | None = None,
+                   kv_kind_at: int = 5) -> Callable[..., int]:
+    """One kernel source of `source_dir` compiled as the engine compiles it (with storage.c,
+    where that tree has it), and its entry point (chunk_kernel_ab.py passes the chunk
+    kernel's). The caller always passes the cache's storage kind as argument `kv_kind_at`;
+    kernels from before fp8 caches take no such argument, and are called without it."""
+    lib, text = build_library(source_dir, out_dir, source)
+    takes_kind = "kv_kind" in text
+    fn = getattr(lib, symbol)
     argtypes = list(argtypes or cpu_library.ARGTYPES)
     fn.argtypes = argtypes if takes_kind else argtypes[:kv_kind_at] + argtypes[kv_kind_at + 1:]
     fn.restype = ctypes.c_int

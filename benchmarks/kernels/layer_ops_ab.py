@@ -21,12 +21,11 @@ from collections.abc import Callable
 
 import torch
 
-from chunkserve.model.kernels import cpu_library
-
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)  # so that `benchmarks.*` imports when this file runs as a script
 from benchmarks.common.host import cpu_model  # noqa: E402
-from benchmarks.kernels.decode_kernel_ab import KERNEL_DIR, baseline_sources  # noqa: E402
+from benchmarks.kernels.decode_kernel_ab import (  # noqa: E402
+    KERNEL_DIR, baseline_sources, build_library)
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -34,15 +33,9 @@ _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 def build(source_dir: str, out_dir: str) -> Callable[..., None]:
     """rope_split_qkv of `source_dir`, called as (qkv, cos, sin, q, k, v, T) either way."""
-    so = os.path.join(out_dir, "layer_ops.so")
-    sources = [os.path.join(source_dir, n) for n in ("layer_ops.c", "storage.c")
-               if os.path.exists(os.path.join(source_dir, n))]
-    error = cpu_library.compile_shared("cc", sources, so)
-    if error:
-        sys.exit(error)
-    with open(sources[0]) as f:
-        has_norm = "q_norm" in f.read()
-    fn = ctypes.CDLL(so).rope_split_qkv
+    lib, text = build_library(source_dir, out_dir, "layer_ops.c")
+    has_norm = "q_norm" in text
+    fn = lib.rope_split_qkv
     fn.argtypes = [_P] * 6 + [_I] * 6 + ([_P, _P, _F, _I] if has_norm else [])
     fn.restype = None
     if has_norm:

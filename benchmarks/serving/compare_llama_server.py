@@ -30,6 +30,7 @@ from typing import Any
 # The repository root, so that `benchmarks.*` imports when this file runs as a script.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from benchmarks.common.host import cpu_info  # noqa: E402
+from benchmarks.common.report import save_report  # noqa: E402
 from benchmarks.serving.llama_server_build import DEFAULT_CACHE, build  # noqa: E402
 
 ENGINES = ("chunkserve", "llama-server")
@@ -179,17 +180,13 @@ def main() -> int:
     report = {"cpu": cpu_info(), "gguf": os.path.basename(gguf), "load": args.load,
               "peer_args": peer_args,
               "elapsed_s": round(time.time() - started), "results": results}
-    with open(os.path.join(args.out, "comparison.json"), "w") as f:
-        json.dump(report, f, indent=1)
     cpu = report["cpu"]
     text = (f"# chunkserve vs llama-server on {cpu['model']} ({cpu['cores']} cores; "
             f"{' '.join(cpu['flags'])})\n\nModel {report['gguf']}; command "
             f"`python benchmarks/serving/compare_llama_server.py --out {args.out}"
             + (f" --peer-args='{args.peer_args}'" if peer_args else "") + "` "
             f"({report['elapsed_s']} s).\n\n" + side_by_side(results))
-    with open(os.path.join(args.out, "comparison.md"), "w") as f:
-        f.write(text)
-    print(text)
+    save_report(args.out, "comparison", report, text)
     return 0
 
 

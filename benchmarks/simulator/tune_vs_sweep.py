@@ -15,7 +15,6 @@ trace (DIR/traces/steps-<config>.jsonl.gz, for `chunkserve diagnose`).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import sys
@@ -33,6 +32,7 @@ from chunkserve.tune.space import describe
 # The repository root, so that `benchmarks.*` imports when this file runs as a script.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from benchmarks.common.host import cpu_model  # noqa: E402
+from benchmarks.common.report import save_report  # noqa: E402
 
 SHOWN = ("median_ttft_ms", "p99_ttft_ms", "p99_tpot_ms", "p99_itl_ms", "max_itl_ms",
          "output_throughput", "request_goodput")
@@ -114,12 +114,7 @@ def main() -> int:
                      "top_objective": describe(top.point), "top_objective_measured": top_v,
                      "gap_to_top": (top_v - pick_v) / abs(top_v) if top_v else 0.0,
                      "pick_meets_slos_measured": meets(pick_real.entry, slos)}}
-    with open(os.path.join(args.out, "tune_vs_sweep.json"), "w") as f:
-        json.dump(d, f, indent=2)
-    text = markdown(d)
-    with open(os.path.join(args.out, "tune_vs_sweep.md"), "w") as f:
-        f.write(text)
-    print(text)
+    save_report(args.out, "tune_vs_sweep", d, markdown(d), indent=2)
     return 0
 
 
