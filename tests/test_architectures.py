@@ -13,6 +13,7 @@ import torch
 from arch_models import ARCHS, VARIANTS, hf_model, save_hf_folder, write_gguf
 from chunkserve import LLM, SamplingParams
 from chunkserve.model.factory import LoadedModel, load_model
+from chunkserve.model.layers import group_gemm
 from chunkserve.model.loaders.source import load_weights
 from test_model_parity import full_logits
 
@@ -20,6 +21,7 @@ from test_model_parity import full_logits
 GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
              "qwen2-yarn": "qwen2", "phi3-longrope": "phi3", "phi3-partial-rotary": "phi3"}
 PROMPT = [(37 * i + 11) % 500 + 3 for i in range(40)]  # ordinary ids of the bundled tokenizer
+KERNELS = ["torch"] + (["c"] if group_gemm.available() is not None else [])
 
 
 @pytest.fixture(scope="module")
@@ -118,12 +120,17 @@ def _dequantized(w: torch.Tensor, quantization: str) -> torch.Tensor:
     return kernel.dequantized() if hasattr(kernel, "dequantized") else dequantize_int4(*quantize_int4(w))
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
 @pytest.mark.parametrize("name", ["qwen2", "qwen3", "phi3"])
-def test_quantized_weights_match_their_dequantized_model(folders, name, quantization):
+def test_quantized_weights_match_their_dequantized_model(folders, name, quantization, kernel,
+                                                         monkeypatch):
     """int8/int4 linears (Qwen2's biases kept in the compute dtype, Phi-3's fused tensors
     quantized whole) against a float32 model of the weights they hold: prefill rows multiply
-    the dense copy (float32 here), decode rows the quantized kernels (bfloat16 activations)."""
+    the dense copy (float32 here), decode rows the quantized kernels (bfloat16 activations):
+    PyTorch's (every CPU) and, on AVX512_BF16 CPUs, the C group GEMM."""
+    if kernel == "torch":
+        monkeypatch.setattr(group_gemm, "available", lambda: None)
     config, weights = load_weights(str(folders[name]))
     for key in [k for k in weights if k.endswith("proj.weight")]:
         weights[key] = _dequantized(weights[key], quantization)
