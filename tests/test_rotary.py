@@ -10,13 +10,8 @@ from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
-from chunkserve.model.layers.rotary import (
-    RotaryEmbedding,
-    apply_rotary,
-    check_rope_scaling,
-    rope_attention_factor,
-    rope_inv_freq,
-)
+from chunkserve.model.layers.rope_scaling import check_rope_scaling, rope_attention_factor
+from chunkserve.model.layers.rotary import RotaryEmbedding, apply_rotary, rope_inv_freq
 
 HEAD_DIM = 64
 SUPPORTED = "default, linear, llama3, yarn, longrope"

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from chunkserve.model.layers.rotary import check_rope_scaling
+from chunkserve.model.layers.rope_scaling import check_rope_scaling
 
 DEFAULT_ARCHITECTURE = "LlamaForCausalLM"
 
