@@ -49,6 +49,17 @@ def _error(message: str, param: str | None = None) -> PydanticCustomError:
     return PydanticCustomError("value_error", message, {"param": param} if param else None)
 
 
+def _named_function(item: dict[str, Any], what: str) -> dict[str, Any]:
+    """The `function` object of a tool or tool call, which must be of type "function" and name
+    its function."""
+    function = item.get("function")
+    if item.get("type", "function") != "function" or not isinstance(function, dict):
+        raise _error(f'only {what}s of type "function", with a `function` object, are supported')
+    if not isinstance(function.get("name"), str):
+        raise _error(f"a {what}'s function needs a string `name`")
+    return function
+
+
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
@@ -153,12 +164,7 @@ class ChatMessage(BaseModel):
                 raise _error("tool calls must be objects")
             if not isinstance(call.get("id"), str):
                 raise _error("each tool call needs a string `id`")
-            function = call.get("function")
-            if call.get("type", "function") != "function" or not isinstance(function, dict):
-                raise _error("only tool calls of type 'function', with a `function` object, "
-                             "are supported")
-            if not isinstance(function.get("name"), str):
-                raise _error("a tool call's function needs a string `name`")
+            function = _named_function(call, "tool call")
             if not isinstance(function.get("arguments"), str | dict | None):
                 raise _error("a tool call's `arguments` must be a JSON string")
         return v
@@ -341,12 +347,7 @@ class _ChatTemplateRequest(_Request):
         if not isinstance(v, list) or not all(isinstance(t, dict) for t in v):
             raise _error("must be a list of tool objects")
         for tool in v:
-            function = tool.get("function")
-            if tool.get("type", "function") != "function" or not isinstance(function, dict):
-                raise _error('only tools of type "function", with a `function` object, are '
-                             "supported")
-            if not isinstance(function.get("name"), str):
-                raise _error("a tool's function needs a string `name`")
+            function = _named_function(tool, "tool")
             if not isinstance(function.get("description"), str | None):
                 raise _error("a tool's function `description` must be a string")
             if not isinstance(function.get("parameters"), dict | None):
