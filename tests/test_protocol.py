@@ -199,7 +199,7 @@ def test_tool_call_arguments_as_vllm(arguments: object, expected: object) -> Non
     ("x", "must be a list of tool calls"),
     ([1], "tool calls must be objects"),
     ([{"function": {"name": "f"}}], "string `id`"),
-    ([{"id": "c", "type": "custom", "function": {"name": "f"}}], "type 'function'"),
+    ([{"id": "c", "type": "custom", "function": {"name": "f"}}], 'type "function"'),
     ([{"id": "c"}], "`function` object"),
     ([{"id": "c", "function": {"arguments": "{}"}}], "string `name`"),
     ([{"id": "c", "function": {"name": "f", "arguments": 3}}], "`arguments` must be a JSON"),
