@@ -10,7 +10,6 @@ clear, so token-identity tests compare scheduling, not floating-point coin flips
 from __future__ import annotations
 
 import gzip
-import json
 import math
 import shutil
 from pathlib import Path
@@ -191,7 +190,3 @@ def smollm2_tokenizer_metadata(smollm2_path: str) -> dict[str, Any]:
     keys = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens",
             "tokenizer.ggml.merges", "tokenizer.ggml.token_type")
     return {key: gguf_field(reader, key) for key in keys}
-
-
-def config_json(folder: Path) -> dict[str, Any]:
-    return json.loads((folder / "config.json").read_text())

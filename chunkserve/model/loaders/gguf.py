@@ -15,9 +15,9 @@ import numpy as np
 import torch
 
 from chunkserve.gguf_file import open_gguf
-from chunkserve.model.loaders.gguf_config import ROPE_TENSORS, file_architecture, read_config
+from chunkserve.model.loaders.gguf_config import ROPE_TENSORS, read_config
 from chunkserve.model.models.config import DecoderConfig
-from chunkserve.model.models.registry import Architecture
+from chunkserve.model.models.registry import Architecture, architecture
 
 GGMLType = gguf.GGMLQuantizationType
 
@@ -102,7 +102,7 @@ def load_gguf(path: str) -> tuple[DecoderConfig, dict[str, torch.Tensor]]:
     """Config and float32 tensors under HF names from a GGUF file."""
     reader = open_gguf(path)
     config = read_config(reader, path, _dequantize)
-    arch = file_architecture(reader)[1]
+    arch = architecture(config.architecture)
     weights: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:
         if tensor.name in ROPE_TENSORS:

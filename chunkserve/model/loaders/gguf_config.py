@@ -15,7 +15,7 @@ import numpy as np
 from chunkserve.gguf_file import gguf_field
 from chunkserve.model.loaders.gguf_rope import rope_scaling_from_metadata
 from chunkserve.model.models.config import DecoderConfig
-from chunkserve.model.models.registry import Architecture, gguf_architecture
+from chunkserve.model.models.registry import gguf_architecture
 
 # Not weights: rope scaling that llama.cpp keeps as tensors; it becomes config.
 ROPE_TENSORS = frozenset({"rope_freqs.weight", "rope_factors_long.weight",
@@ -27,16 +27,11 @@ def _f32(value: float) -> float:
     return float(str(np.float32(value)))
 
 
-def file_architecture(reader: gguf.GGUFReader) -> tuple[str, Architecture]:
-    """The file's `general.architecture` and the class that runs it."""
-    name = gguf_field(reader, "general.architecture")
-    return name, gguf_architecture(name)
-
-
 def read_config(reader: gguf.GGUFReader, path: str,
                 dequantize: Callable[[Any], np.ndarray]) -> DecoderConfig:
     """`dequantize`: how to read a (rope) tensor as float32 numpy."""
-    arch_name, arch = file_architecture(reader)
+    arch_name = gguf_field(reader, "general.architecture")
+    arch = gguf_architecture(arch_name)
 
     def meta(key: str, default: Any = None) -> Any:
         return gguf_field(reader, f"{arch_name}.{key}", default)
