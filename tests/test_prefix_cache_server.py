@@ -12,7 +12,7 @@ from server_utils import RemoteServer
 from chunkserve.engine.arg_utils import add_engine_args, config_from_args
 
 ARGS = ["--dtype", "float32", "--max-model-len", "256", "--max-num-batched-tokens", "32",
-        "--served-model-name", "tiny"]
+        "--served-model-name", "tiny", "--enable-dev-endpoints"]
 # ~100 tokens: several full blocks of 16, so a resend hits most of it.
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 10
 IGNORE_EOS = {"ignore_eos": True}

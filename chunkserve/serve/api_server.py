@@ -30,6 +30,8 @@ from chunkserve.serve.serving import ApiError, Serving, get_serving
 
 log = logging.getLogger("chunkserve.server")
 DEFAULT_MAX_BODY_BYTES = 8 << 20  # 8 MiB: far above any prompt this server can hold
+# What probes and scrapers reach without the API key (vLLM keeps these open too).
+OPEN_PATHS = frozenset({"/health", "/version", "/metrics"})
 
 
 def error_response(e: ApiError) -> JSONResponse:
@@ -48,8 +50,12 @@ def build_app(
     max_waiting_requests: int | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     compute: ComputeThread | None = None,
+    metrics_require_key: bool = False,
+    enable_dev_endpoints: bool = False,
 ) -> FastAPI:
-    """`compute`: the thread that built `engine`, where its loop will run (async_engine.py)."""
+    """`compute`: the thread that built `engine`, where its loop will run (async_engine.py).
+    `enable_dev_endpoints` serves POST /reset_prefix_cache, which vLLM exposes only in its
+    development mode: without it anyone who reaches the port could flush the cache."""
     cache = engine.config.cache_config
     metrics = ServerMetrics(served_model_name, engine.max_model_len, engine.num_kv_blocks,
                             cache.block_size, cache.kv_cache_dtype)
@@ -64,7 +70,9 @@ def build_app(
         await asyncio.to_thread(async_engine.shutdown)
 
     app = FastAPI(title="chunkserve", version=__version__, lifespan=lifespan)
-    app.add_middleware(EdgeMiddleware, max_body_bytes=max_body_bytes, api_key=api_key)
+    open_paths = OPEN_PATHS - ({"/metrics"} if metrics_require_key else set())
+    app.add_middleware(EdgeMiddleware, max_body_bytes=max_body_bytes, api_key=api_key,
+                       open_paths=open_paths)
     # The routers reach these through the request (serving.get_serving), never an import.
     app.state.serving = serving
     app.state.metrics = metrics
@@ -72,7 +80,8 @@ def build_app(
     _add_error_handlers(app)
     app.include_router(router)
     app.include_router(openai_router)
-    app.include_router(cache_router)
+    if enable_dev_endpoints:
+        app.include_router(cache_router)
     return app
 
 
@@ -94,7 +103,7 @@ def _add_error_handlers(app: FastAPI) -> None:
         return JSONResponse(error_body(str(e.detail), err_type, e.status_code), e.status_code)
 
 
-@router.get("/health")
+@router.api_route("/health", methods=["GET", "HEAD"])
 async def health(serving: Serving = Depends(get_serving)) -> Response:
     return Response(status_code=200 if serving.async_engine.is_healthy else 503)
 

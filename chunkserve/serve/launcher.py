@@ -16,6 +16,7 @@ import uvicorn
 
 from chunkserve.engine.arg_utils import add_engine_args, config_from_args
 from chunkserve.serve.compute_thread import ComputeThread
+from chunkserve.serve.http_protocol import ConnectionLimits, protocol_class
 
 if TYPE_CHECKING:
     from chunkserve.engine.llm_engine import LLMEngine
@@ -38,7 +39,12 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", default=os.environ.get("CHUNKSERVE_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1/* (env CHUNKSERVE_API_KEY)")
+                   help="require 'Authorization: Bearer KEY' on every endpoint but /health, "
+                        "/version and /metrics (env CHUNKSERVE_API_KEY)")
+    s.add_argument("--metrics-require-key", action="store_true",
+                   help="with --api-key, require the key on /metrics too")
+    s.add_argument("--enable-dev-endpoints", action="store_true",
+                   help="serve POST /reset_prefix_cache (vLLM: VLLM_SERVER_DEV_MODE=1)")
     s.add_argument("--served-model-name", default=None,
                    help="the model id clients send and /v1/models lists (default: MODEL)")
     s.add_argument("--max-waiting-requests", type=int, default=None,
@@ -47,8 +53,34 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="after SIGTERM/SIGINT the process exits within this many seconds; "
                         f"requests still running {STOP_RESERVE_S:g} s before that are aborted, "
                         "each with an error (default %(default)s)")
+    add_connection_args(s)
     s.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
+
+
+def add_connection_args(s: argparse._ArgumentGroup) -> None:
+    d = ConnectionLimits()
+    s.add_argument("--header-timeout", type=_timeout, default=d.header_timeout,
+                   help="seconds a client has to send the request line and headers, from the "
+                        "connection or the request's first byte; then 408 and close; 0: off "
+                        "(default %(default)s)")
+    s.add_argument("--body-timeout", type=_timeout, default=d.body_timeout,
+                   help="seconds a client has to send the request body once its headers are "
+                        "in; then 408 and close; 0: off. Never applies to the response, so "
+                        "long streams are not cut (default %(default)s)")
+    s.add_argument("--timeout-keep-alive", type=float, default=5.0,
+                   help="close an idle keep-alive connection after this many seconds "
+                        "(uvicorn's flag; default %(default)s)")
+    s.add_argument("--limit-concurrency", type=int, default=d.limit_concurrency,
+                   help="most open connections; one opened beyond it gets a 503 for its "
+                        "request (uvicorn's flag; default %(default)s)")
+
+
+def _timeout(text: str) -> float | None:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be a non-negative number of seconds, got {text}")
+    return value or None
 
 
 class _Server(uvicorn.Server):
@@ -88,14 +120,24 @@ def run_server(args: argparse.Namespace) -> int:
         raise ValueError("--max-waiting-requests must be at least 1")
     if not args.shutdown_timeout >= 0:
         raise ValueError("--shutdown-timeout must be non-negative")
+    if args.limit_concurrency is not None and args.limit_concurrency < 1:
+        raise ValueError("--limit-concurrency must be at least 1")
+    if not args.timeout_keep_alive > 0:
+        raise ValueError("--timeout-keep-alive must be positive")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     # Built on the thread its loop will run on: one OpenMP pool (serve/compute_thread.py).
     compute = ComputeThread()
     engine = compute.call(lambda: build_engine(args))
     name = args.served_model_name or args.model
-    app = build_app(engine, name, args.api_key, args.max_waiting_requests, compute=compute)
+    app = build_app(engine, name, args.api_key, args.max_waiting_requests, compute=compute,
+                    metrics_require_key=args.metrics_require_key,
+                    enable_dev_endpoints=args.enable_dev_endpoints)
+    limits = ConnectionLimits(args.header_timeout, args.body_timeout, args.limit_concurrency,
+                              on_reject=app.state.metrics.count_rejected)
+    _raise_open_files_limit(limits.limit_concurrency)
     config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+        http=protocol_class(limits), timeout_keep_alive=args.timeout_keep_alive,  # type: ignore[arg-type]
         # uvicorn cancels what still runs at the deadline: only a backstop, since every
         # response has ended by then (a cancelled stream would end without its final event).
         timeout_graceful_shutdown=args.shutdown_timeout,
@@ -112,3 +154,18 @@ def run_server(args: argparse.Namespace) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _raise_open_files_limit(limit_concurrency: int | None) -> None:
+    """Lifts the soft descriptor limit towards the hard one, as vLLM does at startup: each
+    connection holds a descriptor, and a soft limit of 1,024 (common) is below the cap."""
+    import resource
+
+    wanted = (limit_concurrency or 0) + 256  # the model files, the engine, the listening socket
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        if target < wanted:
+            log.warning("open-file limit %d is below --limit-concurrency %s + 256: connections "
+                        "may fail with 'too many open files' first", target, limit_concurrency)

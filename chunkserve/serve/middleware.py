@@ -25,29 +25,49 @@ class EdgeMiddleware:
     error is logged and answered, and the connection stays usable.
     """
 
-    def __init__(self, app: Any, max_body_bytes: int, api_key: str | None = None) -> None:
+    def __init__(self, app: Any, max_body_bytes: int, api_key: str | None = None,
+                 open_paths: frozenset[str] | set[str] = frozenset()) -> None:
+        """`open_paths`: the paths served without the API key (health probes, scrapers)."""
         self.app = app
         self.max_body_bytes = max_body_bytes
         self.api_key = api_key
+        self.open_paths = frozenset(open_paths)
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        headers = dict(scope.get("headers") or [])
+        raw_headers = scope.get("headers") or []
+        headers = dict(raw_headers)
         declared = headers.get(b"content-length", b"")
         if declared.isdigit() and int(declared) > self.max_body_bytes:
             await _send_json(send, self._too_large())
             return
-        # vLLM checks the key on /v1 only: health and metrics stay open to probes.
-        if self.api_key and scope.get("path", "").startswith("/v1"):
-            given = headers.get(b"authorization", b"")
-            if not hmac.compare_digest(given, f"Bearer {self.api_key}".encode()):
-                await _send_json(send, (401, error_body(
-                    "Unauthorized: send a valid API key as 'Authorization: Bearer <key>'.",
-                    "AuthenticationError", 401)), [(b"www-authenticate", b"Bearer")])
-                return
+        refusal = self._check_key(raw_headers, scope.get("path", ""))
+        if refusal is not None:
+            await _send_json(send, *refusal)
+            return
         await self._guarded(scope, receive, send)
+
+    def _check_key(self, raw_headers: list[tuple[bytes, bytes]], path: str
+                   ) -> tuple[tuple[int, dict[str, Any]], list[tuple[bytes, bytes]]] | None:
+        """The response refusing a request without the right key; None lets it through.
+
+        Every path but `open_paths` needs it: /tokenize burns CPU and /reset_prefix_cache
+        flushes the cache. Two Authorization headers are refused outright rather than letting
+        one of them win (a proxy may have added one).
+        """
+        given = [v for k, v in raw_headers if k == b"authorization"]
+        if len(given) > 1:
+            return (400, error_body("Send one Authorization header, not several.",
+                                    "BadRequestError", 400)), []
+        if not self.api_key or path in self.open_paths:
+            return None
+        if given and hmac.compare_digest(given[0], f"Bearer {self.api_key}".encode()):
+            return None
+        return (401, error_body(
+            "Unauthorized: send a valid API key as 'Authorization: Bearer <key>'.",
+            "AuthenticationError", 401)), [(b"www-authenticate", b"Bearer")]
 
     async def _guarded(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         seen = 0
