@@ -80,3 +80,7 @@ class RequestOutput:
     # Prompt tokens served from the prefix cache when the request was first scheduled (vLLM's
     # field; usage.prompt_tokens_details.cached_tokens in the OpenAI responses).
     num_cached_tokens: int = 0
+    # When the request asked (SamplingParams.prompt_logprobs), one entry per prompt token: None
+    # for the first (nothing predicts it), then [(prompt token, logprob), *top (token, logprob)]
+    # as CompletionOutput.logprobs; complete on every output from the first token on. Else None.
+    prompt_logprobs: list[list[tuple[int, float]] | None] | None = None

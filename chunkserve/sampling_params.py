@@ -34,6 +34,8 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None
+    # Per prompt token (from the second on): its logprob and the top-`prompt_logprobs` ones.
+    prompt_logprobs: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Greedy when temperature is ~0; kept as a property so there is one source of truth.
 
@@ -86,6 +88,13 @@ class SamplingParams:
             )
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
             raise ValueError(f"logprobs must be non-negative, got {self.logprobs}.")
+        if self.prompt_logprobs is not None and (
+            not isinstance(self.prompt_logprobs, int) or isinstance(self.prompt_logprobs, bool)
+            or self.prompt_logprobs < 0
+        ):
+            raise ValueError(
+                f"prompt_logprobs must be a non-negative integer, got {self.prompt_logprobs!r}."
+            )
         if any(not isinstance(s, str) or s == "" for s in self.stop_strings):
             raise ValueError("stop strings must be non-empty strings.")
         if any(not isinstance(t, int) or not 0 <= t <= INT64_MAX for t in self.stop_token_ids):

@@ -192,8 +192,13 @@ class KVCacheManager:
         Takes no reference (pass the result to `allocate_slots`). Never the whole request: the
         last token must be computed to have a logit to sample from, so a request whose every
         block is cached recomputes its last block, as vLLM does.
+
+        Nor a request that asked for prompt logprobs and has not had them yet (no output token):
+        a skipped position would have no logits. Its blocks are still indexed for others.
         """
         if not self.enable_caching or request.request_id in self.block_tables:
+            return []
+        if request.sampling_params.prompt_logprobs is not None and not request.output_token_ids:
             return []
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[int] = []

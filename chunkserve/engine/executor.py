@@ -17,6 +17,11 @@ class RunnerOutput:
     sampled: dict[str, int] = field(default_factory=dict)  # request id -> new token
     # request id -> [(sampled token, logprob), *top-k (token, logprob)], only when asked for
     logprobs: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+    # request id -> (i, entries): the prompt-logprob entries of prompt tokens i, i+1, ... that
+    # this step's chunk predicted (SamplingParams.prompt_logprobs; see RequestOutput).
+    prompt_logprobs: dict[str, tuple[int, list[list[tuple[int, float]]]]] = field(
+        default_factory=dict
+    )
 
 
 class Executor(Protocol):

@@ -57,6 +57,9 @@ class _RequestState:
     detokenizer: IncrementalDetokenizer | None  # None without a tokenizer (simulation)
     metrics: RequestMetrics
     logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    # One slot per prompt token when the request asked for prompt logprobs (else None), filled
+    # by position as its prefill chunks run: a chunk recomputed after preemption overwrites.
+    prompt_logprobs: list[list[tuple[int, float]] | None] | None = None
 
 
 class LLMEngine:
@@ -164,7 +167,10 @@ class LLMEngine:
         tokenizer = self.processor.tokenizer
         detok = (IncrementalDetokenizer(tokenizer, request.prompt_token_ids, params)
                  if tokenizer is not None else None)
-        self._states[rid] = _RequestState(req, request.prompt, detok, RequestMetrics(arrival))
+        state = _RequestState(req, request.prompt, detok, RequestMetrics(arrival))
+        if params.prompt_logprobs is not None:
+            state.prompt_logprobs = [None] * len(request.prompt_token_ids)
+        self._states[rid] = state
         self.scheduler.add_request(req)
 
     def abort_request(self, request_ids: str | list[str]) -> None:
@@ -192,6 +198,10 @@ class LLMEngine:
                     self._states[sr.request.request_id].metrics.on_scheduled(start)
             result = self.executor.execute(out)
             now = self.clock()
+            for rid, (first, entries) in result.prompt_logprobs.items():
+                prompt_state = self._states.get(rid)
+                if prompt_state is not None and prompt_state.prompt_logprobs is not None:
+                    prompt_state.prompt_logprobs[first : first + len(entries)] = entries
             updated = self.scheduler.update_from_output(out, result.sampled)
             outputs = []
             for req in updated:
@@ -245,6 +255,8 @@ class LLMEngine:
         return RequestOutput(
             req.request_id, state.prompt, req.prompt_token_ids, [completion], finished, m,
             num_cached_tokens=max(0, req.num_cached_tokens),
+            prompt_logprobs=(list(state.prompt_logprobs)
+                             if state.prompt_logprobs is not None else None),
         )
 
     def reset_prefix_cache(self) -> int:

@@ -1,6 +1,7 @@
 """Scheduler output → tensors → tokens. Owns the model, the paged KV tensors and the swap pool."""
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from chunkserve.config import DEFAULT_KV_CACHE_GIB, EngineConfig
@@ -127,9 +128,10 @@ class ModelRunner:
             return RunnerOutput()
         layout = build_layout(out.scheduled, self.block_size)
         hidden = self._forward(layout)
+        prompt_logprobs = self._prompt_logprobs(out, layout, hidden)
         samplers = [sr for sr in out.scheduled if sr.samples]
         if not samplers:
-            return RunnerOutput()
+            return RunnerOutput(prompt_logprobs=prompt_logprobs)
         rows = torch.from_numpy(sample_rows(out.scheduled, layout)).to(self.device)
         logits = self.model.compute_logits(hidden[rows])
         result = self.sampler(logits, [self._row(sr.request) for sr in samplers])
@@ -137,7 +139,68 @@ class ModelRunner:
         logprobs = {}
         if result.logprobs is not None:
             logprobs = {rid: lp for rid, lp in zip(ids, result.logprobs) if lp}
-        return RunnerOutput(dict(zip(ids, result.token_ids)), logprobs)
+        return RunnerOutput(dict(zip(ids, result.token_ids)), logprobs, prompt_logprobs)
+
+    # Rows of full-vocab logits computed at once for prompt logprobs: bounds a long chunk's memory.
+    PROMPT_LOGPROBS_ROWS = 512
+
+    def _prompt_logprobs(
+        self, out: SchedulerOutput, layout: BatchLayout, hidden: torch.Tensor
+    ) -> dict[str, tuple[int, list[list[tuple[int, float]]]]]:
+        """Prompt logprobs of this step's prefill chunks that asked (vLLM's prompt_logprobs).
+
+        The hidden state at prompt position p predicts prompt token p + 1, so a chunk over
+        positions [s, e) yields the entries of tokens s+1 .. min(e, num_prompt_tokens - 1).
+        Only requests with no output token yet: one that has any had every prompt position
+        recorded already (a recompute after preemption would only redo them). Other requests
+        cost nothing: no logits beyond their sampling row.
+        """
+        spans: list[tuple[str, int, int, int]] = []  # (request id, first token, rows, top-k)
+        rows: list[np.ndarray] = []
+        targets: list[int] = []
+        for i, sr in enumerate(out.scheduled):
+            req = sr.request
+            k = req.sampling_params.prompt_logprobs
+            if k is None or req.output_token_ids:
+                continue
+            end = min(sr.start + sr.num_new_tokens, req.num_prompt_tokens - 1)
+            if end <= sr.start:
+                continue
+            first_row = int(layout.query_start_loc[i])
+            rows.append(np.arange(first_row, first_row + end - sr.start))
+            targets += req.prompt_token_ids[sr.start + 1 : end + 1]
+            spans.append((req.request_id, sr.start + 1, end - sr.start, k))
+        if not spans:
+            return {}
+        all_rows = torch.from_numpy(np.concatenate(rows)).to(self.device)
+        all_targets = torch.tensor(targets, dtype=torch.long, device=self.device)
+        max_k = max(k for *_, k in spans)
+        token_lp: list[float] = []
+        top_ids: list[list[int]] = []
+        top_lp: list[list[float]] = []
+        step = self.PROMPT_LOGPROBS_ROWS
+        for lo in range(0, len(targets), step):
+            # Raw logits' log-softmax in float32, as the sampler's logprobs.
+            lp = self.model.compute_logits(hidden[all_rows[lo : lo + step]]).float()
+            lp = lp.log_softmax(dim=-1)
+            token_lp += lp.gather(1, all_targets[lo : lo + step, None]).squeeze(1).cpu().tolist()
+            n = min(max_k, lp.shape[1])
+            if n:
+                values, indices = lp.topk(n)
+                top_lp += values.cpu().tolist()
+                top_ids += indices.cpu().tolist()
+        result = {}
+        pos = 0
+        for rid, first, count, k in spans:
+            entries = []
+            for j in range(pos, pos + count):
+                entry = [(targets[j], token_lp[j])]
+                if k:
+                    entry += list(zip(top_ids[j][:k], top_lp[j][:k]))
+                entries.append(entry)
+            result[rid] = (first, entries)
+            pos += count
+        return result
 
     def _forward(self, layout: BatchLayout) -> torch.Tensor:
         if self.graphs is not None:
