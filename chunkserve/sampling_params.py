@@ -28,6 +28,13 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: off (vLLM accepts both)
     min_p: float = 0.0
+    # Penalties (vLLM's definitions; see engine/sampler.py): presence and frequency over the
+    # output tokens, repetition over prompt and output tokens. The defaults are "off".
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    # token id -> bias added to its logit, clamped to [-100, 100] like vLLM's OpenAI layer.
+    logit_bias: dict[int, float] | None = None
     seed: int | None = None
     stop: list[str] | str | None = None
     stop_token_ids: list[int] | None = None
@@ -49,6 +56,7 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        self.logit_bias = _normalize_logit_bias(self.logit_bias)
         self._verify()
 
     @property
@@ -80,6 +88,7 @@ class SamplingParams:
             )
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
+        self._verify_penalties()
         if self.seed is not None and (
             not isinstance(self.seed, int) or not INT64_MIN <= self.seed <= INT64_MAX
         ):
@@ -99,3 +108,45 @@ class SamplingParams:
             raise ValueError("stop strings must be non-empty strings.")
         if any(not isinstance(t, int) or not 0 <= t <= INT64_MAX for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be integers in [0, {INT64_MAX}].")
+
+    def _verify_penalties(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2.0 <= value <= 2.0:  # also rejects NaN
+                raise ValueError(f"{name} must be in [-2, 2], got {value}.")
+        rp = self.repetition_penalty
+        if not _is_number(rp) or not 0.0 < rp < math.inf:
+            raise ValueError(f"repetition_penalty must be greater than zero and finite, got {rp}.")
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether the sampler must count this request's tokens (any penalty is not "off")."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _normalize_logit_bias(bias: object) -> dict[int, float] | None:
+    """Int keys (JSON object keys arrive as strings), finite values clamped to [-100, 100].
+
+    vLLM clamps in its OpenAI layer; doing it here gives every entry point the same bounds.
+    """
+    if bias is None:
+        return None
+    if not isinstance(bias, dict):
+        raise ValueError(f"logit_bias must be a mapping of token ids to biases, got {bias!r}.")
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        token = key
+        if isinstance(key, str) and key.strip().lstrip("-").isdecimal():
+            token = int(key)
+        if not isinstance(token, int) or isinstance(token, bool) or not 0 <= token <= INT64_MAX:
+            raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {key!r}.")
+        if not _is_number(value) or not math.isfinite(value):
+            raise ValueError(f"logit_bias values must be finite numbers, got {value!r} "
+                             f"for token {token}.")
+        out[token] = min(100.0, max(-100.0, float(value)))
+    return out

@@ -219,7 +219,8 @@ class ModelRunner:
             if gen is None:
                 gen = torch.Generator().manual_seed(params.seed)
                 self._generators[req.request_id] = gen
-        return SamplingRow(params, gen, req.num_output_tokens, req.eos_token_ids)
+        return SamplingRow(params, gen, req.num_output_tokens, req.eos_token_ids,
+                           req.prompt_token_ids, req.output_token_ids)
 
     def _swap(self, out: SchedulerOutput) -> None:
         if not (out.blocks_to_swap_out or out.blocks_to_swap_in):

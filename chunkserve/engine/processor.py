@@ -72,9 +72,21 @@ class Processor:
 
     def process_params(self, token_ids: list[int], params: SamplingParams) -> SamplingParams:
         """Checks a prompt against the model; returns params with max_tokens filled in."""
+        self._check_logit_bias(params)
         max_tokens = self._max_tokens(token_ids, params)
         # replace() re-runs SamplingParams' checks (min_tokens <= max_tokens among them).
         return params if max_tokens == params.max_tokens else replace(params, max_tokens=max_tokens)
+
+    def _check_logit_bias(self, params: SamplingParams) -> None:
+        """vLLM's out-of-vocab check. The message starts with the bare field name (no colon):
+        the server takes a 400's `param` from the first word."""
+        vocab = self.vocab_size
+        if vocab is None or not params.logit_bias:
+            return
+        invalid = [t for t in params.logit_bias if not 0 <= t < vocab]
+        if invalid:
+            raise ValueError(f"logit_bias is invalid: token_id(s) {invalid} in logit_bias contain "
+                             f"out-of-vocab token ids. Vocabulary size: {vocab}")
 
     def _max_tokens(self, token_ids: list[int], params: SamplingParams) -> int:
         n, limit = len(token_ids), self.max_model_len

@@ -8,19 +8,28 @@ Order of operations (vLLM v1's `Sampler`):
      This mirrors vLLM, where the mask is `all_stop_token_ids` and EOS is only a
      member of that set when `ignore_eos` is False (with ignore_eos EOS never
      stops a request, so there is nothing to suppress).
-  3. greedy rows (temperature ~ 0) take the argmax and ignore top-k/top-p/min-p.
-  4. other rows: divide by temperature, then min-p, then top-k and top-p, then
+  3. logit_bias: each row's bias is added to its tokens' logits.
+  4. penalties (vLLM's `apply_penalties`), for rows that set one: repetition_penalty over the
+     ids seen in the prompt or the output (a positive logit is divided by it, any other
+     multiplied), then frequency_penalty * count and presence_penalty * (count > 0) are
+     subtracted, counting the output tokens only. Steps 2-4 change greedy rows too.
+  5. greedy rows (temperature ~ 0) take the argmax and ignore top-k/top-p/min-p.
+  6. other rows: divide by temperature, then min-p, then top-k and top-p, then
      draw with `torch.multinomial`. min-p runs before top-k/top-p as in vLLM
      (min-p is an "argmax-invariant logits processor" applied before the
      top-k/top-p sampler); the order matters for top-p because top-p sees the
      distribution renormalised after min-p's cut.
 
 Seeded rows draw from their own generator one row at a time, so a seeded request
-gets the same tokens whatever else shares its batch.
+gets the same tokens whatever else shares its batch. Every step is row-wise, and a batch in
+which no row sets logit_bias, a penalty or an unmet min_tokens samples the caller's logits as
+they are (no copy).
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import chain
 
 import torch
 
@@ -37,6 +46,9 @@ class SamplingRow:
     generator: torch.Generator | None
     num_output_tokens: int  # tokens generated so far, for min_tokens
     eos_token_ids: list[int]
+    # The request's own token lists (not copies), read only when params.has_penalties.
+    prompt_token_ids: Sequence[int] = ()
+    output_token_ids: Sequence[int] = ()
 
 
 @dataclass
@@ -53,7 +65,7 @@ class Sampler:
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(rows)} rows")
         raw = logits
-        logits = _apply_min_tokens(logits, rows)
+        logits = process_logits(logits, rows)
 
         greedy = [i for i, r in enumerate(rows) if r.params.greedy]
         random = [i for i, r in enumerate(rows) if not r.params.greedy]
@@ -69,6 +81,17 @@ class Sampler:
 
         ids = token_ids.tolist()
         return SamplerOutput(token_ids=ids, logprobs=_gather_logprobs(raw, rows, ids))
+
+
+def process_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Steps 2-4 of the module docstring: min_tokens mask, logit_bias, penalties.
+
+    Returns the caller's tensor itself when no row needs any of them, else a new tensor (the
+    first step that changes something copies; the later ones write into that copy).
+    """
+    processed = _apply_min_tokens(logits, rows)
+    processed = _apply_logit_bias(processed, rows, owned=processed is not logits)
+    return _apply_penalties(processed, rows, owned=processed is not logits)
 
 
 def _apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -88,6 +111,85 @@ def _apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Te
             masked = logits.clone()  # never modify the caller's tensor
         masked[i, banned] = float("-inf")
     return logits if masked is None else masked
+
+
+def _apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow], owned: bool) -> torch.Tensor:
+    """Adds each row's logit_bias; writes in place only into a tensor this sampler made."""
+    vocab = logits.shape[1]
+    row_ids: list[int] = []
+    token_ids: list[int] = []
+    biases: list[float] = []
+    for i, row in enumerate(rows):
+        for token, bias in (row.params.logit_bias or {}).items():
+            # The Processor refuses ids outside the vocabulary; this guards an engine built
+            # without a vocabulary check, where a bad id must not fail the whole step.
+            if token < vocab:
+                row_ids.append(i)
+                token_ids.append(token)
+                biases.append(bias)
+    if not biases:
+        return logits
+    out = logits if owned else logits.clone()
+    dev = out.device
+    index = (torch.tensor(row_ids, device=dev), torch.tensor(token_ids, device=dev))
+    out.index_put_(index, torch.tensor(biases, dtype=out.dtype, device=dev), accumulate=True)
+    return out
+
+
+def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow], owned: bool) -> torch.Tensor:
+    """vLLM's repetition, frequency and presence penalties on the rows that set one.
+
+    Only those rows are gathered and counted, so a batch without penalties pays nothing and a
+    row without them next to one with them keeps its logits bit for bit.
+    """
+    picked = [i for i, r in enumerate(rows) if r.params.has_penalties]
+    if not picked:
+        return logits
+    sub_rows = [rows[i] for i in picked]
+    vocab, dev = logits.shape[1], logits.device
+
+    def column(values: list[float]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.float32, device=dev).unsqueeze(1)
+
+    sub = logits[picked].float()  # advanced indexing copies: the caller's tensor is untouched
+    reps = [r.params.repetition_penalty for r in sub_rows]
+    if any(rp != 1.0 for rp in reps):
+        # One count over prompt + output: only "seen at all" matters here.
+        both = [[*r.prompt_token_ids, *r.output_token_ids] for r in sub_rows]
+        seen = _token_counts(both, vocab, dev) > 0
+        # Unseen ids get a penalty of 1.0: dividing or multiplying by it is exact.
+        penalty = torch.where(seen, column(reps), 1.0)
+        sub = torch.where(sub > 0, sub / penalty, sub * penalty)
+    freq = [r.params.frequency_penalty for r in sub_rows]
+    pres = [r.params.presence_penalty for r in sub_rows]
+    if any(freq) or any(pres):
+        counts = _token_counts([r.output_token_ids for r in sub_rows], vocab, dev)
+        sub = sub - column(freq) * counts - column(pres) * (counts > 0)
+    if len(picked) == len(rows):
+        return sub
+    out = logits if owned else logits.clone()
+    out[picked] = sub.to(out.dtype)
+    return out
+
+
+def _token_counts(
+    token_lists: list[Sequence[int]], vocab: int, device: torch.device
+) -> torch.Tensor:
+    """[len(token_lists), vocab] float32: how often each id occurs in each row's list.
+
+    One scatter-add over every row's tokens. The flat indices are built on the host and copied
+    once (no device sync); ids outside [0, vocab), which only an engine without a vocabulary
+    check lets through, land in an extra column that is dropped.
+    """
+    n = len(token_lists)
+    ids = torch.tensor(list(chain.from_iterable(token_lists)), dtype=torch.long)
+    ids = torch.where((ids >= 0) & (ids < vocab), ids, vocab)
+    lengths = torch.tensor([len(t) for t in token_lists], dtype=torch.long)
+    row_of = torch.repeat_interleave(torch.arange(n), lengths)
+    flat = (row_of * (vocab + 1) + ids).to(device)
+    counts = torch.zeros(n * (vocab + 1), dtype=torch.float32, device=device)
+    counts.index_add_(0, flat, torch.ones(flat.numel(), dtype=torch.float32, device=device))
+    return counts.view(n, vocab + 1)[:, :vocab]
 
 
 def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
