@@ -41,7 +41,8 @@ class Ticket:
     Checking the waiting count and counting the new request must happen with no `await` in
     between, or simultaneous arrivals all pass the check (the cap was overshot that way). The
     reservation is taken at the check; `generate` turns one place into a sent request, and
-    `release` gives back what was never sent (a disconnect or an error before sending).
+    `release` gives back what was never sent (a disconnect or an error before sending). `grow`
+    adds places to a reservation that is still gathering them (serve/admission.py).
     """
 
     def __init__(self, engine: AsyncEngine, num: int) -> None:
@@ -54,9 +55,16 @@ class Ticket:
             self.remaining -= 1
             self._engine._num_reserved -= 1
 
+    def grow(self, num: int) -> None:
+        self.remaining += num
+        self._engine._num_reserved += num
+
     def release(self) -> None:
-        self._engine._num_reserved -= self.remaining
+        freed = self.remaining
+        self._engine._num_reserved -= freed
         self.remaining = 0
+        if freed:
+            self._engine._places_freed()
 
 
 @dataclass
@@ -105,9 +113,16 @@ class AsyncEngine:
         self._num_sent = 0
         self._num_applied = 0
         self._published = (0, 0)
+        # Called on the event loop when the count above may have dropped (a release, or the
+        # engine published a change): admission's pending reservation takes the freed places.
+        self._on_freed: Callable[[], None] | None = None
         self._closing = False  # the shutdown grace period is over: no new requests
         self._refusal: str | None = None  # the engine thread's copy of the fail_all reason
         self.error: BaseException | None = None
+        if metrics is not None:
+            # The waiting gauge is this count, read at every scrape (on the event loop, where
+            # the counts it adds up are written): exactly what admission compares with the cap.
+            metrics.track_waiting(lambda: self.num_queued)
 
     # ---- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
@@ -129,19 +144,36 @@ class AsyncEngine:
         return self.error is None and self._running is not None and not self._running.done()
 
     @property
+    def closing(self) -> bool:
+        """The shutdown grace period is over: new requests are refused."""
+        return self._closing
+
+    @property
     def num_waiting(self) -> int:
         """The engine's waiting queue as of its last step."""
         return self._published[1]
 
     @property
     def num_queued(self) -> int:
-        """Requests not yet running: what --max-waiting-requests limits. Never an undercount:
+        """Requests not yet running: what --max-waiting-requests limits, and what the gauge
+        vllm:num_requests_waiting shows. Places reserved by admission (a pending reservation's
+        included), adds not yet applied, and the engine's waiting queue. Never an undercount:
         a request the engine has started still counts until the engine's next publish."""
         applied, waiting = self._published
         return self._num_reserved + self._num_sent - applied + waiting
 
     def reserve(self, num: int) -> Ticket:
         return Ticket(self, num)
+
+    def watch_freed(self, callback: Callable[[], None] | None) -> None:
+        """`callback` runs on the event loop whenever `num_queued` may have dropped (None: stop).
+        One watcher at a time: admission's pending reservation (serve/admission.py)."""
+        self._on_freed = callback
+
+    def _places_freed(self) -> None:
+        callback = self._on_freed
+        if callback is not None:
+            callback()
 
     def fail_all(self, reason: str) -> None:
         """Aborts every in-flight request with a ShuttingDownError and refuses new ones.
@@ -153,6 +185,7 @@ class AsyncEngine:
         """
         self._closing = True
         self._commands.put(_FailAll(reason))
+        self._places_freed()  # a reservation waiting for places gives up now
 
     # ---- the HTTP side ----------------------------------------------------------------------
     async def generate(
@@ -286,7 +319,10 @@ class AsyncEngine:
 
     def _publish_state(self) -> None:
         stats = self.engine.stats()
-        self._published = (self._num_applied, stats.num_waiting)
+        before, self._published = self._published, (self._num_applied, stats.num_waiting)
+        if (self._published != before and self._on_freed is not None
+                and self._loop is not None and not self._loop.is_closed()):
+            self._loop.call_soon_threadsafe(self._places_freed)
         if self.metrics is not None:
             self.metrics.set_state(stats.num_running, stats.num_waiting, stats.kv_usage,
                                    stats.kv_internal_fragmentation)

@@ -48,7 +48,10 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--served-model-name", default=None,
                    help="the model id clients send and /v1/models lists (default: MODEL)")
     s.add_argument("--max-waiting-requests", type=int, default=None,
-                   help="answer 503 with Retry-After once this many requests are queued")
+                   help="at most this many admitted requests wait to run; beyond it a 503 "
+                        "with Retry-After. A request of n x prompts > 1 that does not fit "
+                        "takes places as they free, ahead of later arrivals, for up to 30 s "
+                        "(docs/reliability.md)")
     s.add_argument("--shutdown-timeout", type=float, default=SHUTDOWN_GRACE_S,
                    help="after SIGTERM/SIGINT the process exits within this many seconds; "
                         f"requests still running {STOP_RESERVE_S:g} s before that are aborted, "

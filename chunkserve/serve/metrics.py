@@ -2,11 +2,13 @@
 benchmark scrapers work against chunkserve unchanged (docs/conventions.md, "vLLM Prometheus
 metrics"). A few `chunkserve:` metrics add what vLLM does not expose.
 
-Every method except `render` is called from the engine thread once per step or per output, so
-label children are bound once in `__init__` and the hot path does only lock-protected adds.
-`render` may run on the HTTP thread; prometheus_client's values are thread-safe.
+The engine thread calls the observe/set methods once per step or per output, so label children
+are bound once in `__init__` and the hot path does only lock-protected adds. `render` and
+`count_rejected` run on the HTTP side; prometheus_client's values are thread-safe.
 """
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -43,6 +45,12 @@ STEP_DURATION_BUCKETS: list[float] = [
 ]
 
 FINISHED_REASONS: tuple[str, ...] = ("stop", "length", "abort")
+# vllm:num_requests_rejected_total{reason}: 503s from admission (the waiting cap is full, the
+# server is shutting down, the engine is not running), 400s for a request bigger than the cap
+# could ever hold, and connections refused at the HTTP layer's connection cap.
+REJECT_REASONS: tuple[str, ...] = (
+    "queue_full", "shutting_down", "engine_dead", "too_many_sequences", "connection_limit",
+)
 
 
 def build_1_2_5_buckets(max_value: int) -> list[int]:
@@ -68,6 +76,7 @@ class ServerMetrics:
         self._make_state_metrics(num_kv_blocks, block_size, cache_dtype)
         self._make_request_metrics(max_model_len)
         self._make_step_metrics()
+        self._make_rejected_metrics()
 
     # Each metric's child for this server's model_name label is bound once: `.labels()` costs a
     # dict lookup under a lock per call.
@@ -87,8 +96,12 @@ class ServerMetrics:
                             cache_dtype: str) -> None:
         """The scheduler's state (gauges) and the engine's token and preemption counters."""
         self._running = self._gauge("vllm:num_requests_running", "Requests in the running batch.")
-        self._waiting = self._gauge("vllm:num_requests_waiting",
-                                    "Requests waiting to be scheduled.")
+        self._waiting = self._gauge(
+            "vllm:num_requests_waiting",
+            "Requests admitted and not yet running: queue places reserved by admission, "
+            "requests on their way to the engine and its waiting queue (what "
+            "--max-waiting-requests limits).")
+        self._waiting_tracked = False
         self._kv_usage = self._gauge("vllm:kv_cache_usage_perc", "KV-cache usage, 0 to 1.")
         self._fragmentation = self._gauge(
             "chunkserve:kv_cache_internal_fragmentation_tokens",
@@ -156,10 +169,36 @@ class ServerMetrics:
         self._step_decode_tokens = h("chunkserve:step_decode_tokens",
                                      "Decode tokens per engine step.", ITERATION_TOKENS_BUCKETS)
 
+    def _make_rejected_metrics(self) -> None:
+        self._rejected_family = Counter(
+            "vllm:num_requests_rejected", "Requests refused before reaching the engine, by reason.",
+            ["model_name", "reason"], registry=self.registry,
+        )
+        # Every known reason exists at 0 from the start, as request_success does.
+        self._rejected: dict[str, Counter] = {
+            r: self._rejected_family.labels(self.model_name, r) for r in REJECT_REASONS
+        }
+
+    def count_rejected(self, reason: str) -> None:
+        """One request refused for `reason` (REJECT_REASONS; another gets a series of its own).
+        Any thread."""
+        child = self._rejected.get(reason)
+        if child is None:
+            child = self._rejected[reason] = self._rejected_family.labels(self.model_name, reason)
+        child.inc()
+
+    def track_waiting(self, source: Callable[[], float]) -> None:
+        """vllm:num_requests_waiting reads `source()` at every scrape from now on, and
+        `set_state`'s `num_waiting` is ignored: the server's gauge is the count admission
+        compares with --max-waiting-requests (AsyncEngine.num_queued), never a copy of it."""
+        self._waiting.set_function(source)
+        self._waiting_tracked = True
+
     def set_state(self, num_running: int, num_waiting: int, kv_usage: float,
                   fragmentation_tokens: int) -> None:
         self._running.set(num_running)
-        self._waiting.set(num_waiting)
+        if not self._waiting_tracked:
+            self._waiting.set(num_waiting)
         self._kv_usage.set(kv_usage)
         self._fragmentation.set(fragmentation_tokens)
 

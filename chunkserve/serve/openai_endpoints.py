@@ -62,7 +62,7 @@ async def completions(
     serving.check_size(len(req.prompts()), req.n)
     prompts = await serving.prepare(req.prompts(), req.to_sampling_params, req.priority)
     echoes = [_echo_text(p, serving) if req.echo else "" for p in prompts]
-    ticket = serving.admit(len(prompts) * req.n)
+    ticket = await serving.admit(len(prompts) * req.n, raw)
     rid, created = P.completion_id(), int(time.time())
     stream = serving.generate(rid, prompts, req.n, ticket)
     render_token = serving.render_token
@@ -94,7 +94,7 @@ async def chat(
                                      req.continue_final_message, req.template_kwargs())
     prompts = await serving.prepare([text], req.to_sampling_params, req.priority,
                                     add_special_tokens=False)
-    ticket = serving.admit(req.n)
+    ticket = await serving.admit(req.n, raw)
     rid, created = P.chat_completion_id(), int(time.time())
     stream = serving.generate(rid, prompts, req.n, ticket)
     render_token = serving.render_token

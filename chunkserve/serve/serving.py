@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import fields, replace
 from typing import Any
 
@@ -16,6 +16,7 @@ from chunkserve.engine.processor import EngineRequest, Processor
 from chunkserve.tokenizer.tokenizer import Tokenizer
 from chunkserve.outputs import RequestOutput
 from chunkserve.sampling_params import INT64_MIN, SamplingParams
+from chunkserve.serve.admission import Admission, ClientGone, Refused
 from chunkserve.serve.async_engine import AsyncEngine, ShuttingDownError, Ticket
 from chunkserve.serve.chat_prompt import render_chat_prompt
 from chunkserve.serve.prompt_bound import TokenCountBound
@@ -57,6 +58,7 @@ class Serving:
         self.model_name = model_name
         self.max_model_len = self.processor.max_model_len
         self.max_waiting_requests = max_waiting_requests
+        self.admission = Admission(async_engine, max_waiting_requests)
         self.token_bound = TokenCountBound(self.tokenizer)
 
     def render_token(self, token_id: int) -> str | None:
@@ -131,6 +133,8 @@ class Serving:
         """400 for a request that no amount of waiting would let in; call before tokenizing."""
         num, limit = num_prompts * n, self.max_waiting_requests
         what = f"{num} sequences (n={n} × {num_prompts} prompt{'s' if num_prompts > 1 else ''})"
+        if num > MAX_SEQUENCES or (limit is not None and num > limit):
+            self.count_rejected("too_many_sequences")
         if num > MAX_SEQUENCES:
             raise ApiError(400, f"This request asks for {what}; at most {MAX_SEQUENCES} are "
                            "allowed.", param="n")
@@ -143,26 +147,30 @@ class Serving:
                 param="n",
             )
 
-    def admit(self, num_new: int) -> Ticket:
+    def count_rejected(self, reason: str) -> None:
+        metrics = self.async_engine.metrics
+        if metrics is not None:
+            metrics.count_rejected(reason)
+
+    async def admit(self, num_new: int, raw: Request | None = None) -> Ticket:
         """Reserves queue places for `num_new` sub-requests, or 503 when they do not fit.
 
-        Synchronous on purpose: the check and the reservation happen with no await between
-        them, so simultaneous arrivals cannot all pass the check. The caller must `release()`
-        the ticket when done (it is a no-op once every place has been used).
+        The rule is serve/admission.py's: a request that fits is admitted with no await between
+        check and reservation (simultaneous arrivals cannot all pass the check); one of size 1
+        that does not fit is refused at once; a bigger one may wait for places to free (while
+        `raw`'s client stays connected). The caller must `release()` the ticket when done (a
+        no-op once every place has been used).
         """
-        if not self.async_engine.is_healthy:
-            raise ApiError(503, "The engine is not running.", "ServiceUnavailableError")
-        limit = self.max_waiting_requests
-        queued = self.async_engine.num_queued
-        if limit is not None and queued + num_new > limit:
-            raise ApiError(
-                503,
-                f"The server is overloaded: {queued} requests are waiting "
-                f"(--max-waiting-requests {limit}). Retry later.",
-                "ServiceUnavailableError",
-                headers={"Retry-After": "1"},
-            )
-        return self.async_engine.reserve(num_new)
+        disconnected = None if raw is None else _disconnect_of(raw)
+        try:
+            return await self.admission.admit(num_new, disconnected)
+        except Refused as e:
+            self.count_rejected(e.reason)
+            headers = {"Retry-After": "1"} if e.reason == "queue_full" else None
+            raise ApiError(503, e.message, "ServiceUnavailableError", headers=headers) from e
+        except ClientGone as e:  # nobody reads this answer
+            raise ApiError(499, "The client closed the request while it waited for queue "
+                           "places.", "ClientClosedRequest") from e
 
     async def generate(
         self, base_id: str, prompts: list[EngineRequest], n: int, ticket: Ticket | None = None,
@@ -216,6 +224,15 @@ class Serving:
             for task in tasks:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+
+
+def _disconnect_of(raw: Request) -> Callable[[], Awaitable[None]]:
+    async def disconnected() -> None:
+        # The body has been read: the only message left on the connection is the disconnect.
+        while (await raw.receive())["type"] != "http.disconnect":
+            pass
+
+    return disconnected
 
 
 def get_serving(request: Request) -> Serving:
