@@ -216,16 +216,17 @@ def test_template_kwargs() -> None:
     docs = [{"title": "t", "text": "x"}]
     req = chat(chat_template_kwargs={"enable_thinking": False, "add_generation_prompt": False,
                                      "continue_final_message": True, "tools": "overridden"},
-               tools=[tool], documents=docs)
+               tools=[tool], tool_choice="none", documents=docs)
     # The request's own fields win (as vLLM's build_chat_params merges them).
     assert req.template_kwargs() == {"enable_thinking": False, "tools": [tool],
                                      "documents": docs}
     assert req.add_generation_prompt and not req.continue_final_message
-    assert req.tool_choice == "auto"  # vLLM's default when tools are given
+    assert req.tool_choice == "none"
     assert chat().template_kwargs() == {} and chat().tool_choice is None
     # Tools reach the template as sent: key order and extra keys kept.
     odd = {"function": {"parameters": {}, "name": "g", "strict": True}, "type": "function"}
-    assert json.dumps(chat(tools=[odd]).template_kwargs()["tools"]) == json.dumps([odd])
+    assert json.dumps(chat(tools=[odd], tool_choice="none").template_kwargs()["tools"]) == \
+        json.dumps([odd])
 
 
 @pytest.mark.parametrize("body,param,message", [
@@ -253,6 +254,9 @@ def test_chat_template_field_errors(body: dict[str, object], param: str, message
 
 
 @pytest.mark.parametrize("tool_choice,message", [
+    # "auto" is also vLLM's default when tools come without tool_choice.
+    (None, 'tool_choice="auto" is not supported'),
+    ("auto", '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser'),
     ("required", 'tool_choice="required" is not supported'),
     ({"type": "function", "function": {"name": "f"}}, 'tool_choice=function "f" is not'),
     ({"type": "function", "function": {"name": "g"}}, "does not match any of the specified"),
@@ -263,11 +267,12 @@ def test_chat_template_field_errors(body: dict[str, object], param: str, message
 ])
 def test_tool_choice_without_a_parser(tool_choice: object, message: str) -> None:
     tools = [{"type": "function", "function": {"name": "f"}}]
-    for ok in ("auto", "none", None):
-        assert chat(tools=tools, tool_choice=ok).tool_choice == ok
+    # Only "none" is served: the tools reach the template and the reply is text.
+    assert chat(tools=tools, tool_choice="none").tool_choice == "none"
     assert chat(tool_choice="none").tool_choice == "none"  # "none" needs no tools (vLLM)
+    assert chat(tool_choice=None).tool_choice is None  # no tools: nothing to choose
     with pytest.raises(ValidationError) as ei:
-        chat(tools=tools, tool_choice=tool_choice)
+        chat(tools=tools, **({} if tool_choice is None else {"tool_choice": tool_choice}))
     msg, param = validation_error_message(ei.value)
     assert message in msg and param == "tool_choice", msg
 
@@ -401,13 +406,16 @@ def test_chat_top_logprobs_bounds_and_dependency() -> None:
 
 
 def test_unknown_fields_accepted_and_listed() -> None:
-    req = CompletionRequest(prompt="x", frequency_penalty=0.5, best_of=2)
-    assert req.unknown_fields() == ["best_of", "frequency_penalty"]
+    req = CompletionRequest(prompt="x", frequency_penalty=0.5, best_of=2, top_a=0.1, foo=1)
+    assert req.unknown_fields() == ["foo", "top_a"]
     assert chat().unknown_fields() == []
-    assert chat(response_format={"type": "text"}, parallel_tool_calls=True).unknown_fields() == [
-        "parallel_tool_calls", "response_format"]
+    # Refused fields at their default, and fields that cannot change the output, are known.
+    assert chat(response_format={"type": "text"}, parallel_tool_calls=True, store=False,
+                use_beam_search=False).unknown_fields() == []
+    # A field of the other endpoint is unknown here.
+    assert chat(suffix=None).unknown_fields() == ["suffix"]
     # vLLM's chat template fields are known.
-    known = chat(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="auto",
+    known = chat(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="none",
                  chat_template_kwargs={"enable_thinking": False}, documents=[],
                  continue_final_message=False)
     assert known.unknown_fields() == []

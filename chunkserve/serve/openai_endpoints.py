@@ -56,31 +56,34 @@ async def completions(
     req: P.CompletionRequest, raw: Request, serving: Serving = Depends(get_serving)
 ) -> Response:
     _check(req, serving)
-    if req.echo and req.logprobs is not None:
-        raise ApiError(400, "echo together with logprobs (prompt logprobs) is not supported.",
-                       param="echo")
-    serving.check_size(len(req.prompts()), req.n)
-    prompts = await serving.prepare(req.prompts(), req.to_sampling_params, req.priority)
+    samples = req.samples_per_prompt  # best_of, else n: what runs and what admission counts
+    _check_size(serving, len(req.prompts()), samples, req.n)
+    prompts = await serving.prepare(req.prompts(), req.to_sampling_params, req.priority,
+                                    add_special_tokens=req.add_special_tokens)
     echoes = [_echo_text(p, serving) if req.echo else "" for p in prompts]
-    ticket = await serving.admit(len(prompts) * req.n, raw)
+    ticket = await serving.admit(len(prompts) * samples, raw)
     rid, created = P.completion_id(), int(time.time())
-    stream = serving.generate(rid, prompts, req.n, ticket)
-    render_token = serving.render_token
-    if req.stream:
+    stream = serving.generate(rid, prompts, samples, ticket)
+    render_token = _renderer(req, serving)
+    if req.stream:  # best_of == n here: the protocol refuses to stream a ranking
         return _sse(_completion_events(
             req, rid, created, prompts, stream, serving, render_token, echoes), ticket)
     result = await _collect_unless_disconnected(raw, stream, ticket)
     if result is None:
         return Response(status_code=499)  # the client is gone; nobody reads this
-    choices = [
-        P.completion_choice(
-            i, echoes[i // req.n] + out.outputs[0].text, out.outputs[0].finish_reason,
-            _completion_logprobs(out.outputs[0].logprobs, render_token),
-        )
-        for i, out in sorted(result.items())
-    ]
+    chosen = _best_of(result, len(prompts), samples, req.n) if req.ranks_samples else result
+    choices = []
+    for i, out in sorted(chosen.items()):
+        c = out.outputs[0]
+        logprobs = None
+        if req.logprobs is not None:  # else any logprobs were only best_of's, for ranking
+            positions = [*((req.echo and _echo_positions(out)) or ()), *(c.logprobs or ())]
+            logprobs = P.completion_logprobs(positions, render_token)
+        choices.append(P.completion_choice(i, echoes[i // req.n] + c.text, c.finish_reason,
+                                           logprobs))
+    # Every sample's tokens count, also those best_of did not return (as OpenAI bills them).
     usage = P.usage(_prompt_tokens(prompts), sum(len(o.outputs[0].token_ids) for o in result.values()),
-                    _cached_tokens(result, req.n))
+                    _cached_tokens(result, samples))
     return JSONResponse(P.completion_response(rid, serving.model_name, choices, usage, created))
 
 
@@ -93,11 +96,11 @@ async def chat(
     text = await serving.render_chat(req.message_dicts(), req.add_generation_prompt,
                                      req.continue_final_message, req.template_kwargs())
     prompts = await serving.prepare([text], req.to_sampling_params, req.priority,
-                                    add_special_tokens=False)
+                                    add_special_tokens=req.add_special_tokens)
     ticket = await serving.admit(req.n, raw)
     rid, created = P.chat_completion_id(), int(time.time())
     stream = serving.generate(rid, prompts, req.n, ticket)
-    render_token = serving.render_token
+    render_token = _renderer(req, serving)
     if req.stream:
         return _sse(_chat_events(req, rid, created, prompts, stream, serving, render_token),
                     ticket)
@@ -135,13 +138,71 @@ async def _collect_unless_disconnected(
         ticket.release()  # places never used: the client left before they were sent
 
 
+def _check_size(serving: Serving, num_prompts: int, samples: int, n: int) -> None:
+    """serving.check_size on the sequences that run (best_of of them per prompt), naming
+    best_of when it is what asks for more than n."""
+    try:
+        serving.check_size(num_prompts, samples)
+    except ApiError as e:
+        if samples > n:
+            e.param = "best_of"
+            e.message = e.message.replace(f"n={samples}", f"best_of={samples}")
+        raise
+
+
+def _best_of(finals: dict[int, RequestOutput], num_prompts: int, best_of: int,
+             n: int) -> dict[int, RequestOutput]:
+    """The n of each prompt's best_of samples to return, re-indexed prompt * n + 0..n-1.
+
+    vLLM's rule (V0, best_of > n): the samples with the highest cumulative logprob, the sum of
+    the logprobs of their generated tokens (here the engine's logprobs of each sampled token, as
+    the raw logits give them), best first; ties keep the sample order. Samples are not
+    length-normalized, so a shorter one (an early EOS or stop) can win. A sample without
+    logprobs (aborted before its first token) ranks last.
+    """
+    def score(out: RequestOutput) -> float:
+        logprobs = out.outputs[0].logprobs
+        if not logprobs:
+            return float("-inf")
+        return sum(float(pairs[0][1]) for pairs in logprobs)
+
+    chosen: dict[int, RequestOutput] = {}
+    for p in range(num_prompts):
+        outs = [finals[i] for i in range(p * best_of, (p + 1) * best_of) if i in finals]
+        ranked = sorted(outs, key=score, reverse=True)  # sorted() is stable
+        for j, out in enumerate(ranked[:n]):
+            chosen[p * n + j] = out
+    return chosen
+
+
+def _echo_positions(out: RequestOutput) -> list[P.TokenLogprobs] | None:
+    """The prompt's tokens as completion_logprobs positions, for echo with logprobs: the first
+    has no logprob (nothing predicts it), then the engine's prompt logprobs (vLLM's shape)."""
+    entries = out.prompt_logprobs
+    if entries is None:  # finished before its prompt was scored (an abort)
+        return None
+    positions: list[P.TokenLogprobs] = []
+    for i, token_id in enumerate(out.prompt_token_ids):
+        entry = entries[i] if i < len(entries) else None
+        positions.append([(token_id, None)] if i == 0 or entry is None else entry)
+    return positions
+
+
+def _renderer(req: P.CompletionRequest | P.ChatCompletionRequest, serving: Serving) -> Any:
+    """How logprobs name a token: its text, or vLLM's "token_id:{id}" when asked."""
+    if req.return_tokens_as_token_ids:
+        return lambda token_id: f"token_id:{token_id}"
+    return serving.render_token
+
+
 def _prompt_tokens(prompts: list[EngineRequest]) -> int:
     return sum(len(p.prompt_token_ids) for p in prompts)
 
 
 def _cached_tokens(finals: dict[int, RequestOutput], n: int) -> int:
     """Prompt tokens served from the prefix cache, counted once per prompt like prompt_tokens
-    (choice i*n is the first sample of prompt i; its n samples share one prompt)."""
+    (sequence i*n is the first sample of prompt i; its n samples share one prompt; n is the
+    samples run per prompt, best_of when given)."""
     return sum(out.num_cached_tokens for index, out in finals.items() if index % n == 0)
 
 
@@ -181,12 +242,24 @@ def _echo_text(prompt: EngineRequest, serving: Serving) -> str:
 def _completion_events(req, rid, created, prompts, stream, serving, render, echoes):  # type: ignore[no-untyped-def]
     async def events() -> AsyncIterator[str]:
         seen = _Choices()
-        for index in range(len(prompts) * req.n) if req.echo else ():
-            yield sse(P.completion_chunk(rid, serving.model_name, index, echoes[index // req.n],
-                                         None, None, created))
         model = serving.model_name
+        # The echoed prompt is each choice's first chunk: at once, or with logprobs once the
+        # engine has scored the prompt (its first output), as vLLM sends it.
+        echo_pending = set(range(len(prompts) * req.n)) if req.echo else set()
+        if req.logprobs is None:
+            for index in sorted(echo_pending):
+                yield sse(P.completion_chunk(rid, model, index, echoes[index // req.n], None,
+                                             None, created))
+            echo_pending.clear()
         async for index, out in stream:
             c = out.outputs[0]
+            if index in echo_pending:
+                echo_pending.discard(index)
+                lp = _completion_logprobs(_echo_positions(out), render)
+                if lp and lp["tokens"]:
+                    seen.text_offsets[index] = lp["text_offset"][-1] + len(lp["tokens"][-1])
+                yield sse(P.completion_chunk(rid, model, index, echoes[index // req.n], None,
+                                             lp, created))
             if out.finished:
                 seen.finals[index] = out
             if not c.delta_text and not out.finished:

@@ -1,9 +1,11 @@
 """OpenAI/vLLM-compatible request models, error bodies and response shapes.
 
 Requests are pydantic models that accept unknown fields (vLLM logs a warning rather than
-rejecting them, and clients such as the `openai` package send extras). Responses are plain dicts
-built by small helpers, so the server can stream them with `json.dumps` and tests can compare
-their keys to OpenAI's exactly.
+rejecting them, and clients such as the `openai` package send extras). No field that would change
+the output is ignored, though: those this server does not implement are listed in
+`REFUSED_FIELDS` and are a 400 naming the field unless sent with their default value. Responses
+are plain dicts built by small helpers, so the server can stream them with `json.dumps` and tests
+can compare their keys to OpenAI's exactly.
 
 Sampling values (temperature, top_p, ...) are deliberately not range-checked here:
 `SamplingParams` owns those rules, and `to_sampling_params` lets its ValueError through for the
@@ -18,7 +20,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
@@ -35,6 +37,92 @@ log = logging.getLogger("chunkserve.server")
 MAX_LOGPROBS = 20
 # vLLM's VLLM_MAX_N_SEQUENCES default: the most sequences one request may ask for (n × prompts).
 MAX_SEQUENCES = 16384
+# OpenAI's bounds on a logit_bias value; vLLM clamps to them rather than refusing.
+LOGIT_BIAS_LIMIT = 100.0
+
+
+class Refused(NamedTuple):
+    """A request field that would change the output and that this server does not implement."""
+
+    endpoints: str  # "completions", "chat" or "both"
+    accepted: tuple[Any, ...]  # values that change nothing (the default): accepted silently
+    message: str  # the 400's message; "{value}" is replaced by the value sent
+
+
+_STRUCTURED = ("needs structured outputs (guided decoding), which this server does not have yet "
+               "(issue 31).")
+_NO_PARSER = ('tool_choice={value} is not supported: it needs a tool-call parser, which this '
+              'server does not have (vLLM: "auto" tool choice requires --enable-auto-tool-choice '
+              'and --tool-call-parser to be set). Send tool_choice "none": the tools still reach '
+              "the prompt, and the reply comes back as text.")
+
+# Every OpenAI or vLLM request field that would change the output and is not implemented here:
+# sent with any value but an accepted one (its default), it is a 400 whose `param` is the field
+# (the part before the dot for a nested one), never a warning. The one place this rule lives;
+# fields that change nothing (HARMLESS_FIELDS) and unknown ones are accepted, the unknown ones
+# with a warning, as vLLM does.
+REFUSED_FIELDS: dict[str, Refused] = {
+    # OpenAI's fields.
+    "suffix": Refused("completions", (None,), "suffix is not currently supported"),
+    "response_format": Refused("both", (None, {"type": "text"}),
+                               "response_format={value} " + _STRUCTURED),
+    "tool_choice": Refused("chat", (None, "none"), _NO_PARSER),  # "auto" is the default with tools
+    "functions": Refused("chat", (None,), "`functions` (deprecated by OpenAI) is not supported: "
+                         'send `tools` with tool_choice "none"'),
+    "function_call": Refused("chat", (None, "none"), "function_call={value} is not supported: "
+                             "this server has no tool-call parser"),
+    "modalities": Refused("chat", (None, ["text"]), "modalities={value} is not supported: this "
+                          'server only produces text (["text"])'),
+    "audio": Refused("chat", (None,), "audio is not supported: this server only produces text"),
+    "reasoning_effort": Refused("chat", (None,), "reasoning_effort is not supported: template "
+                                "switches such as Qwen3's enable_thinking go in "
+                                "chat_template_kwargs"),
+    "verbosity": Refused("chat", (None,), "verbosity is not supported"),
+    "web_search_options": Refused("chat", (None,), "web_search_options is not supported: this "
+                                  "server does not search the web"),
+    # vLLM's extra fields.
+    "best_of": Refused("chat", (None,), "best_of is only supported on /v1/completions"),
+    "echo": Refused("chat", (None, False), "echo is not supported on chat completions"),
+    "guided_json": Refused("both", (None,), "guided_json " + _STRUCTURED),
+    "guided_regex": Refused("both", (None,), "guided_regex " + _STRUCTURED),
+    "guided_choice": Refused("both", (None,), "guided_choice " + _STRUCTURED),
+    "guided_grammar": Refused("both", (None,), "guided_grammar " + _STRUCTURED),
+    "structured_outputs": Refused("both", (None,), "structured_outputs " + _STRUCTURED),
+    "bad_words": Refused("both", (None, []), "bad_words is not supported"),
+    "allowed_token_ids": Refused("both", (None,), "allowed_token_ids is not supported"),
+    "logits_processors": Refused("both", (None,), "logits_processors is not supported: this "
+                                 "server runs no custom logits processors"),
+    "vllm_xargs": Refused("both", (None,), "vllm_xargs is not supported: this server runs no "
+                          "custom logits processors"),
+    "truncate_prompt_tokens": Refused("both", (None,), "truncate_prompt_tokens is not "
+                                      "supported: prompts are never truncated (one too long for "
+                                      "the context is a 400)"),
+    "use_beam_search": Refused("both", (None, False), "use_beam_search is not supported: "
+                               "this server does not do beam search"),
+    "length_penalty": Refused("both", (None, 1.0), "length_penalty is only for beam search, "
+                              "which is not supported; it must be 1.0"),
+    "include_stop_str_in_output": Refused("both", (None, False), "include_stop_str_in_output is "
+                                          "not supported: a stop string is always cut from the "
+                                          "output"),
+    "skip_special_tokens": Refused("both", (None, True), "skip_special_tokens=false is not "
+                                   "supported: special tokens are always left out of the text"),
+    "spaces_between_special_tokens": Refused("both", (None, True), "spaces_between_special_tokens"
+                                             "=false is not supported"),
+    "prompt_logprobs": Refused("both", (None,), "prompt_logprobs is not supported as a field: "
+                               "on /v1/completions, send `echo` with `logprobs` for the prompt "
+                               "tokens' logprobs"),
+    "return_token_ids": Refused("both", (None, False), "return_token_ids is not supported"),
+    "stream_options.continuous_usage_stats": Refused(
+        "both", (None, False), "stream_options.continuous_usage_stats is not supported: usage "
+        "comes in the last chunk (include_usage)"),
+}
+# Known fields that cannot change the output (bookkeeping, or features that only act through a
+# refused field, as parallel_tool_calls does through tool_choice): accepted without a warning.
+HARMLESS_FIELDS = frozenset({
+    "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier", "prediction",
+    "parallel_tool_calls", "request_id", "cache_salt",
+})
+_MISSING = object()
 
 Prompt = str | list[int]
 # Engine logprobs for one generated position: [(sampled id, logprob), *top-k (id, logprob)].
@@ -62,6 +150,33 @@ def _named_function(item: dict[str, Any], what: str) -> dict[str, Any]:
 
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _field_value(model: BaseModel, path: str) -> Any:
+    """The value a request sent for a (dotted) field name, declared or extra; _MISSING if none."""
+    value: Any = model
+    for name in path.split("."):
+        if isinstance(value, BaseModel):
+            if name in type(value).model_fields:
+                value = getattr(value, name)
+            else:
+                value = (value.model_extra or {}).get(name, _MISSING)
+        elif isinstance(value, dict):
+            value = value.get(name, _MISSING)
+        else:
+            return _MISSING
+        if value is _MISSING:
+            return value
+    return value
+
+
+def _describe(value: Any) -> str:
+    """A value for an error message: a named function as `function "f"`, the rest as JSON."""
+    if isinstance(value, dict) and isinstance(value.get("function"), dict) \
+            and isinstance(value["function"].get("name"), str):
+        return f'function "{value["function"]["name"]}"'
+    text = json.dumps(value, ensure_ascii=False, default=str)
+    return text if len(text) <= 200 else text[:200] + "..."
 
 
 def find_lone_surrogate(data: Any) -> tuple[str, str] | None:
@@ -104,8 +219,11 @@ class _Request(BaseModel):
         return data
 
     def unknown_fields(self) -> list[str]:
-        """Fields the client sent that we do not know: the server logs them, as vLLM does."""
-        return sorted(self.model_extra or {})
+        """Fields the client sent that we do not know: the server logs them, as vLLM does.
+        Fields of REFUSED_FIELDS (here with their default value) and HARMLESS_FIELDS are known."""
+        endpoint = getattr(self, "_endpoint", None)
+        return sorted(k for k in self.model_extra or {} if k not in HARMLESS_FIELDS and not (
+            k in REFUSED_FIELDS and REFUSED_FIELDS[k].endpoints in ("both", endpoint)))
 
 
 class StreamOptions(BaseModel):
@@ -218,11 +336,21 @@ def _template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
 class _SamplingRequest(_Request):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
+    _endpoint: ClassVar[str]  # which REFUSED_FIELDS apply: "completions" or "chat"
+
     model: str | None = None
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
     min_p: float | None = None
+    # OpenAI's penalties ([-2, 2]) and vLLM's repetition_penalty (> 0); null means off.
+    # SamplingParams checks the ranges.
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    # OpenAI: token ids (JSON object keys, so strings) to a bias added to the logit, clamped to
+    # [-100, 100] as vLLM does; ids outside the vocabulary are the Processor's 400.
+    logit_bias: dict[int, float] | None = None
     n: int = Field(default=1, ge=1, le=MAX_SEQUENCES)
     seed: int | None = None
     stop: str | list[str] | None = None
@@ -234,6 +362,41 @@ class _SamplingRequest(_Request):
     # Lower runs first under --scheduling-policy priority.
     priority: int = Field(default=0, ge=INT64_MIN, le=INT64_MAX)
     user: str | None = None
+    # vLLM's: logprobs name tokens "token_id:{id}" rather than by their text.
+    return_tokens_as_token_ids: bool = False
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _logit_bias_ids(cls, v: Any) -> Any:
+        if not isinstance(v, dict):
+            return v  # null, or pydantic's "valid dictionary" error
+        out = {}
+        for token_id, bias in v.items():
+            try:
+                key = int(token_id)  # vLLM's conversion: " 7", "-1" and "1_0" are integers too
+            except (TypeError, ValueError):
+                raise _error(f"Found token_id `{token_id}` in logit_bias but token_id must be "
+                             "an integer or string representing an integer") from None
+            out[key] = bias
+        return out
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _clamp_logit_bias(cls, v: dict[int, float] | None) -> dict[int, float] | None:
+        if v is None:
+            return v
+        return {t: min(LOGIT_BIAS_LIMIT, max(-LOGIT_BIAS_LIMIT, b)) for t, b in v.items()}
+
+    @model_validator(mode="after")
+    def _refuse_unsupported_fields(self) -> _SamplingRequest:
+        for name, rule in REFUSED_FIELDS.items():
+            if rule.endpoints not in ("both", self._endpoint):
+                continue
+            value = _field_value(self, name)
+            if value is not _MISSING and value not in rule.accepted:
+                raise _error(rule.message.replace("{value}", _describe(value)),
+                             name.split(".")[0])
+        return self
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -255,27 +418,70 @@ class _SamplingRequest(_Request):
         """Whether a stream ends with a usage-only chunk."""
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                         prompt_logprobs: int | None = None) -> SamplingParams:
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=0 if self.top_k in (None, -1) else self.top_k,  # type: ignore[arg-type]
             min_p=0.0 if self.min_p is None else self.min_p,
+            presence_penalty=0.0 if self.presence_penalty is None else self.presence_penalty,
+            frequency_penalty=0.0 if self.frequency_penalty is None else self.frequency_penalty,
+            repetition_penalty=(1.0 if self.repetition_penalty is None
+                                else self.repetition_penalty),
+            logit_bias=self.logit_bias,
             seed=self.seed,
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
             min_tokens=self.min_tokens,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
 
 
 class CompletionRequest(_SamplingRequest):
+    _endpoint: ClassVar[str] = "completions"
+
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    # With logprobs, the prompt tokens' logprobs come first (vLLM's prompt_logprobs).
     echo: bool = False
+    # vLLM V0's best_of: that many samples per prompt, the n most likely returned (see
+    # openai_endpoints._best_of). Null means n.
+    best_of: int | None = Field(default=None, ge=1, le=MAX_SEQUENCES)
+    # vLLM's: whether a text prompt is tokenized with the model's special tokens (BOS).
+    add_special_tokens: bool = True
+
+    @model_validator(mode="after")
+    def _best_of_rules(self) -> CompletionRequest:
+        # vLLM V0's SamplingParams rules, and OpenAI's: best_of results cannot be streamed.
+        best_of = self.best_of
+        if best_of is None:
+            return self
+        if best_of < self.n:
+            raise _error(f"best_of must be greater than or equal to n, got n={self.n} and "
+                         f"best_of={best_of}.", "best_of")
+        if best_of > self.n and self.stream:
+            raise _error(f"best_of={best_of} cannot be streamed: only the best n={self.n} of "
+                         "the samples are returned, which is known when all are finished. "
+                         "Set best_of equal to n, or do not stream.", "best_of")
+        if best_of > 1 and self.temperature is not None and self.temperature < 1e-5:
+            raise _error(f"best_of must be 1 when using greedy sampling, got {best_of}.",
+                         "best_of")
+        return self
+
+    @property
+    def samples_per_prompt(self) -> int:
+        """How many sequences each prompt runs: best_of, else n."""
+        return self.n if self.best_of is None else self.best_of
+
+    @property
+    def ranks_samples(self) -> bool:
+        """Whether the n best of more samples are chosen (best_of > n)."""
+        return self.samples_per_prompt > self.n
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -306,7 +512,11 @@ class CompletionRequest(_SamplingRequest):
 
     def to_sampling_params(self, default_max_tokens: int | None) -> SamplingParams:
         max_tokens = default_max_tokens if self.max_tokens is None else self.max_tokens
-        return self._sampling_params(max_tokens, self.logprobs)
+        logprobs = self.logprobs
+        if logprobs is None and self.ranks_samples:
+            logprobs = 0  # best_of ranks by the sampled tokens' logprobs; not sent back
+        prompt_logprobs = self.logprobs if self.echo else None
+        return self._sampling_params(max_tokens, logprobs, prompt_logprobs)
 
 
 # --- chat template fields ---------------------------------------------------------------------
@@ -387,15 +597,19 @@ class _ChatTemplateRequest(_Request):
 
 
 class ChatCompletionRequest(_SamplingRequest, _ChatTemplateRequest):
+    _endpoint: ClassVar[str] = "chat"
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     max_tokens: int | None = None  # deprecated by OpenAI; max_completion_tokens wins
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     # "none" | "auto" | "required" | {"type": "function", "function": {"name"}}; "auto" when
-    # tools are given without it. Tools reach the prompt either way; the reply is text (no
-    # tool-call parser), so "required" and a named function are refused.
+    # tools are given without it. Only "none" is served (REFUSED_FIELDS): the tools reach the
+    # prompt and the reply is text. Every other choice needs a tool-call parser.
     tool_choice: str | dict[str, Any] | None = None
+    # vLLM's default for chat: the chat template already wrote the special tokens it wants.
+    add_special_tokens: bool = False
 
     @model_validator(mode="before")
     @classmethod
@@ -434,19 +648,6 @@ class ChatCompletionRequest(_SamplingRequest, _ChatTemplateRequest):
                 raise _error("The tool specified in `tool_choice` does not match any of the "
                              "specified `tools`", "tool_choice")
         return data
-
-    @model_validator(mode="after")
-    def _tool_choice_supported(self) -> ChatCompletionRequest:
-        choice = self.tool_choice
-        if choice is None or choice in ("none", "auto"):
-            return self
-        desc = (f'function "{choice["function"]["name"]}"' if isinstance(choice, dict)
-                else f'"{choice}"')
-        # vLLM answers "tool_choice=... requires --tool-call-parser to be set".
-        raise _error(f"tool_choice={desc} is not supported: it needs a tool-call parser (vLLM's "
-                     '--tool-call-parser), which this server does not have. Use "auto" or '
-                     '"none": the tools still reach the prompt, and the reply comes back as '
-                     "text.", "tool_choice")
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
