@@ -8,11 +8,9 @@ import re
 import pytest
 from pydantic import ValidationError
 
-from chunkserve.serve.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    TokenizeRequest,
+from chunkserve.serve.chat_requests import ChatCompletionRequest, TokenizeRequest
+from chunkserve.serve.errors import error_body, validation_error_message
+from chunkserve.serve.openai_responses import (
     chat_chunk,
     chat_choice,
     chat_completion_id,
@@ -24,12 +22,14 @@ from chunkserve.serve.protocol import (
     completion_id,
     completion_logprobs,
     completion_response,
-    MAX_SEQUENCES,
-    error_body,
-    find_lone_surrogate,
     usage,
     usage_chunk,
-    validation_error_message,
+)
+from chunkserve.serve.protocol import (
+    MAX_SEQUENCES,
+    CompletionRequest,
+    DetokenizeRequest,
+    find_lone_surrogate,
 )
 
 USER = [{"role": "user", "content": "hi"}]

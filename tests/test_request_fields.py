@@ -4,8 +4,8 @@ should, or is a 400 whose `param` names it.
 Honoured: logit_bias, presence/frequency/repetition_penalty, best_of, echo with logprobs,
 return_tokens_as_token_ids, add_special_tokens, chat_template_kwargs (also
 tests/test_chat_request_fields.py). Refused unless sent with their default value: everything in
-protocol.REFUSED_FIELDS (suffix, response_format other than text, tools with any tool_choice but
-"none", guided decoding, beam search, ...), and chat_template.
+refused_fields.REFUSED_FIELDS (suffix, response_format other than text, tools with any
+tool_choice but "none", guided decoding, beam search, ...), and chat_template.
 """
 from __future__ import annotations
 
@@ -17,13 +17,10 @@ import pytest
 from pydantic import ValidationError
 from server_utils import RemoteServer, assert_error
 
-from chunkserve.serve.protocol import (
-    MAX_SEQUENCES,
-    REFUSED_FIELDS,
-    ChatCompletionRequest,
-    CompletionRequest,
-    validation_error_message,
-)
+from chunkserve.serve.chat_requests import ChatCompletionRequest
+from chunkserve.serve.errors import validation_error_message
+from chunkserve.serve.protocol import MAX_SEQUENCES, CompletionRequest
+from chunkserve.serve.refused_fields import REFUSED_FIELDS
 
 MESSAGES = [{"role": "user", "content": "Tell me a story about a fox."}]
 PROMPT = "The quick brown fox jumps over the lazy dog."

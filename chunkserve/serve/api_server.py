@@ -17,15 +17,12 @@ from chunkserve.serve.compute_thread import ComputeThread
 from chunkserve.engine.llm_engine import LLMEngine
 from chunkserve.serve.async_engine import AsyncEngine
 from chunkserve.serve.cache_endpoints import router as cache_router
+from chunkserve.serve.chat_requests import TokenizeRequest
+from chunkserve.serve.errors import error_body, validation_error_message
 from chunkserve.serve.metrics import ServerMetrics
 from chunkserve.serve.middleware import EdgeMiddleware
 from chunkserve.serve.openai_endpoints import router as openai_router
-from chunkserve.serve.protocol import (
-    DetokenizeRequest,
-    TokenizeRequest,
-    error_body,
-    validation_error_message,
-)
+from chunkserve.serve.protocol import DetokenizeRequest
 from chunkserve.serve.serving import ApiError, Serving, get_serving
 
 log = logging.getLogger("chunkserve.server")

@@ -12,8 +12,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from chunkserve.engine.processor import EngineRequest
 from chunkserve.outputs import RequestOutput
-from chunkserve.serve import protocol as P
+from chunkserve.serve import openai_responses as R
 from chunkserve.serve.async_engine import Ticket
+from chunkserve.serve.chat_requests import ChatCompletionRequest
+from chunkserve.serve.errors import error_body
+from chunkserve.serve.protocol import CompletionRequest
 from chunkserve.serve.responses import SSEResponse, until_disconnect
 from chunkserve.serve.serving import ApiError, Serving, get_serving
 
@@ -43,7 +46,7 @@ class _Choices:
         return sum(len(o.outputs[0].token_ids) for o in self.finals.values())
 
 
-def _check(req: P.CompletionRequest | P.ChatCompletionRequest, serving: Serving) -> None:
+def _check(req: CompletionRequest | ChatCompletionRequest, serving: Serving) -> None:
     """404 for another model; unknown fields are accepted, as vLLM does, with a warning."""
     serving.check_model(req.model)
     unknown = req.unknown_fields()
@@ -53,7 +56,7 @@ def _check(req: P.CompletionRequest | P.ChatCompletionRequest, serving: Serving)
 
 @router.post("/v1/completions", response_model=None)
 async def completions(
-    req: P.CompletionRequest, raw: Request, serving: Serving = Depends(get_serving)
+    req: CompletionRequest, raw: Request, serving: Serving = Depends(get_serving)
 ) -> Response:
     _check(req, serving)
     samples = req.samples_per_prompt  # best_of, else n: what runs and what admission counts
@@ -62,7 +65,7 @@ async def completions(
                                     add_special_tokens=req.add_special_tokens)
     echoes = [_echo_text(p, serving) if req.echo else "" for p in prompts]
     ticket = await serving.admit(len(prompts) * samples, raw)
-    rid, created = P.completion_id(), int(time.time())
+    rid, created = R.completion_id(), int(time.time())
     stream = serving.generate(rid, prompts, samples, ticket)
     render_token = _renderer(req, serving)
     if req.stream:  # best_of == n here: the protocol refuses to stream a ranking
@@ -78,18 +81,18 @@ async def completions(
         logprobs = None
         if req.logprobs is not None:  # else any logprobs were only best_of's, for ranking
             positions = [*((req.echo and _echo_positions(out)) or ()), *(c.logprobs or ())]
-            logprobs = P.completion_logprobs(positions, render_token)
-        choices.append(P.completion_choice(i, echoes[i // req.n] + c.text, c.finish_reason,
+            logprobs = R.completion_logprobs(positions, render_token)
+        choices.append(R.completion_choice(i, echoes[i // req.n] + c.text, c.finish_reason,
                                            logprobs))
     # Every sample's tokens count, also those best_of did not return (as OpenAI bills them).
-    usage = P.usage(_prompt_tokens(prompts), sum(len(o.outputs[0].token_ids) for o in result.values()),
+    usage = R.usage(_prompt_tokens(prompts), sum(len(o.outputs[0].token_ids) for o in result.values()),
                     _cached_tokens(result, samples))
-    return JSONResponse(P.completion_response(rid, serving.model_name, choices, usage, created))
+    return JSONResponse(R.completion_response(rid, serving.model_name, choices, usage, created))
 
 
 @router.post("/v1/chat/completions", response_model=None)
 async def chat(
-    req: P.ChatCompletionRequest, raw: Request, serving: Serving = Depends(get_serving)
+    req: ChatCompletionRequest, raw: Request, serving: Serving = Depends(get_serving)
 ) -> Response:
     _check(req, serving)
     serving.check_size(1, req.n)
@@ -98,7 +101,7 @@ async def chat(
     prompts = await serving.prepare([text], req.to_sampling_params, req.priority,
                                     add_special_tokens=req.add_special_tokens)
     ticket = await serving.admit(req.n, raw)
-    rid, created = P.chat_completion_id(), int(time.time())
+    rid, created = R.chat_completion_id(), int(time.time())
     stream = serving.generate(rid, prompts, req.n, ticket)
     render_token = _renderer(req, serving)
     if req.stream:
@@ -108,16 +111,16 @@ async def chat(
     if result is None:
         return Response(status_code=499)
     choices = [
-        P.chat_choice(
+        R.chat_choice(
             i, out.outputs[0].text, out.outputs[0].finish_reason,
             None if out.outputs[0].logprobs is None
-            else P.chat_logprobs(out.outputs[0].logprobs, render_token),
+            else R.chat_logprobs(out.outputs[0].logprobs, render_token),
         )
         for i, out in sorted(result.items())
     ]
-    usage = P.usage(_prompt_tokens(prompts), sum(len(o.outputs[0].token_ids) for o in result.values()),
+    usage = R.usage(_prompt_tokens(prompts), sum(len(o.outputs[0].token_ids) for o in result.values()),
                     _cached_tokens(result, req.n))
-    return JSONResponse(P.chat_response(rid, serving.model_name, choices, usage, created))
+    return JSONResponse(R.chat_response(rid, serving.model_name, choices, usage, created))
 
 
 async def _collect(stream: AsyncIterator[tuple[int, RequestOutput]]) -> dict[int, RequestOutput]:
@@ -175,20 +178,20 @@ def _best_of(finals: dict[int, RequestOutput], num_prompts: int, best_of: int,
     return chosen
 
 
-def _echo_positions(out: RequestOutput) -> list[P.TokenLogprobs] | None:
+def _echo_positions(out: RequestOutput) -> list[R.TokenLogprobs] | None:
     """The prompt's tokens as completion_logprobs positions, for echo with logprobs: the first
     has no logprob (nothing predicts it), then the engine's prompt logprobs (vLLM's shape)."""
     entries = out.prompt_logprobs
     if entries is None:  # finished before its prompt was scored (an abort)
         return None
-    positions: list[P.TokenLogprobs] = []
+    positions: list[R.TokenLogprobs] = []
     for i, token_id in enumerate(out.prompt_token_ids):
         entry = entries[i] if i < len(entries) else None
         positions.append([(token_id, None)] if i == 0 or entry is None else entry)
     return positions
 
 
-def _renderer(req: P.CompletionRequest | P.ChatCompletionRequest, serving: Serving) -> Any:
+def _renderer(req: CompletionRequest | ChatCompletionRequest, serving: Serving) -> Any:
     """How logprobs name a token: its text, or vLLM's "token_id:{id}" when asked."""
     if req.return_tokens_as_token_ids:
         return lambda token_id: f"token_id:{token_id}"
@@ -208,7 +211,7 @@ def _cached_tokens(finals: dict[int, RequestOutput], n: int) -> int:
 
 def _completion_logprobs(logprobs: list[Any] | None, render: Any,
                          text_offset: int = 0) -> dict[str, Any] | None:
-    return None if logprobs is None else P.completion_logprobs(logprobs, render, text_offset)
+    return None if logprobs is None else R.completion_logprobs(logprobs, render, text_offset)
 
 
 def _sse(events: AsyncIterator[str], ticket: Ticket) -> StreamingResponse:
@@ -225,11 +228,11 @@ async def _guarded(events: AsyncIterator[str]) -> AsyncIterator[str]:
         async for event in events:
             yield event
     except ApiError as e:
-        yield sse(P.error_body(e.message, e.err_type, e.status, e.param))
+        yield sse(error_body(e.message, e.err_type, e.status, e.param))
     except Exception as e:  # noqa: BLE001 - reported to the client, logged here
         log.exception("stream failed")
-        yield sse(P.error_body(f"internal error while streaming: {e!r}", "InternalServerError",
-                               500))
+        yield sse(error_body(f"internal error while streaming: {e!r}", "InternalServerError",
+                             500))
     yield "data: [DONE]\n\n"
 
 
@@ -248,7 +251,7 @@ def _completion_events(req, rid, created, prompts, stream, serving, render, echo
         echo_pending = set(range(len(prompts) * req.n)) if req.echo else set()
         if req.logprobs is None:
             for index in sorted(echo_pending):
-                yield sse(P.completion_chunk(rid, model, index, echoes[index // req.n], None,
+                yield sse(R.completion_chunk(rid, model, index, echoes[index // req.n], None,
                                              None, created))
             echo_pending.clear()
         async for index, out in stream:
@@ -258,7 +261,7 @@ def _completion_events(req, rid, created, prompts, stream, serving, render, echo
                 lp = _completion_logprobs(_echo_positions(out), render)
                 if lp and lp["tokens"]:
                     seen.text_offsets[index] = lp["text_offset"][-1] + len(lp["tokens"][-1])
-                yield sse(P.completion_chunk(rid, model, index, echoes[index // req.n], None,
+                yield sse(R.completion_chunk(rid, model, index, echoes[index // req.n], None,
                                              lp, created))
             if out.finished:
                 seen.finals[index] = out
@@ -269,13 +272,13 @@ def _completion_events(req, rid, created, prompts, stream, serving, render, echo
             lp = _completion_logprobs(logprobs, render, seen.text_offsets.get(index, 0))
             if lp and lp["tokens"]:
                 seen.text_offsets[index] = lp["text_offset"][-1] + len(lp["tokens"][-1])
-            yield sse(P.completion_chunk(
+            yield sse(R.completion_chunk(
                 rid, model, index, c.delta_text, c.finish_reason, lp, created,
             ))
         if req.include_usage:
-            usage = P.usage(_prompt_tokens(prompts), seen.completion_tokens(),
+            usage = R.usage(_prompt_tokens(prompts), seen.completion_tokens(),
                             _cached_tokens(seen.finals, req.n))
-            yield sse(P.usage_chunk(rid, model, "text_completion", usage, created))
+            yield sse(R.usage_chunk(rid, model, "text_completion", usage, created))
 
     return _guarded(events())
 
@@ -285,7 +288,7 @@ def _chat_events(req, rid, created, prompts, stream, serving, render):  # type: 
         seen = _Choices()
         model = serving.model_name
         for index in range(len(prompts) * req.n):  # the role comes first, as OpenAI sends it
-            yield sse(P.chat_chunk(rid, model, index, P.chat_delta("", first=True), None,
+            yield sse(R.chat_chunk(rid, model, index, R.chat_delta("", first=True), None,
                                    None, created))
         async for index, out in stream:
             c = out.outputs[0]
@@ -294,13 +297,13 @@ def _chat_events(req, rid, created, prompts, stream, serving, render):  # type: 
             if not c.delta_text and not out.finished:
                 continue
             logprobs = seen.new_logprobs(index, out)
-            yield sse(P.chat_chunk(
-                rid, model, index, P.chat_delta(c.delta_text), c.finish_reason,
-                None if logprobs is None else P.chat_logprobs(logprobs, render), created,
+            yield sse(R.chat_chunk(
+                rid, model, index, R.chat_delta(c.delta_text), c.finish_reason,
+                None if logprobs is None else R.chat_logprobs(logprobs, render), created,
             ))
         if req.include_usage:
-            usage = P.usage(_prompt_tokens(prompts), seen.completion_tokens(),
+            usage = R.usage(_prompt_tokens(prompts), seen.completion_tokens(),
                             _cached_tokens(seen.finals, req.n))
-            yield sse(P.usage_chunk(rid, model, "chat.completion.chunk", usage, created))
+            yield sse(R.usage_chunk(rid, model, "chat.completion.chunk", usage, created))
 
     return _guarded(events())
