@@ -11,7 +11,8 @@ import json
 import logging
 from typing import Any
 
-from chunkserve.serve.protocol import error_body
+from chunkserve.serve.heap import TRIM_AFTER_BYTES, release_free_memory
+from chunkserve.serve.errors import error_body
 
 log = logging.getLogger("chunkserve.server")
 
@@ -100,6 +101,9 @@ class EdgeMiddleware:
             if not started and not exceeded:
                 await _send_json(send, (500, error_body(str(e), "InternalServerError", 500)))
                 return
+        finally:
+            if seen >= TRIM_AFTER_BYTES:  # the body and what was parsed from it are garbage now
+                release_free_memory()
         if exceeded:
             await _send_json(send, self._too_large())
 

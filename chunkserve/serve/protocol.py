@@ -18,7 +18,6 @@ from typing import Any, ClassVar
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from chunkserve.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
-from chunkserve.serve import errors
 from chunkserve.serve.errors import encodable, field_error
 from chunkserve.serve.refused_fields import check_refused_fields, known_extra_field
 
@@ -30,9 +29,6 @@ MAX_SEQUENCES = 16384
 LOGIT_BIAS_LIMIT = 100.0
 
 Prompt = str | list[int]
-
-# Re-exported until serve/middleware.py and serve/http_protocol.py import it from serve/errors.py.
-error_body = errors.error_body
 
 
 def _is_int(x: Any) -> bool:

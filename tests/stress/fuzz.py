@@ -75,7 +75,8 @@ def run_schemathesis(target: Target, examples: int, seed: int = 0) -> PhaseResul
     from schemathesis.generation import GenerationMode
 
     result = PhaseResult("schemathesis")
-    schema = schemathesis.openapi.from_url(target.url + "/openapi.json")
+    # /openapi.json needs the API key like every endpoint but the probes.
+    schema = schemathesis.openapi.from_url(target.url + "/openapi.json", headers=target.headers)
     session = requests.Session()
     skipped: list[str] = []
     cut_short: list[str] = []

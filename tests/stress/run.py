@@ -3,8 +3,9 @@ non-zero on any violation.
 
     .venv/bin/python tests/stress/run.py [--minutes 10] [--model tiny-llama] [--skip soak]
 
-Phases: (a) fuzz (>= 1,000 malformed requests) and schemathesis against /openapi.json; (b) a
-disconnect storm; (c) an overload burst at 5x the waiting cap; (d) a soak at a steady mixed load
+Phases: (a) fuzz (>= 1,000 malformed requests, twice, RSS read around each pass) and schemathesis against /openapi.json; (b) a
+disconnect storm; (c) an overload burst at 5x the waiting cap; (c') slow clients (stalled headers and bodies
+closed within the deadlines) and the connection cap; (d) a soak at a steady mixed load
 (--minutes, default 10) with RSS sampled; (e) SIGTERM with streams in flight, on a fresh server.
 After (a)-(d) /metrics must show running = waiting = KV usage = 0 within 5 s.
 """
@@ -18,16 +19,18 @@ from collections.abc import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
 
-from stress.fuzz import run_fuzz, run_schemathesis  # noqa: E402
+from stress.fuzz import run_schemathesis  # noqa: E402
 from stress.fuzz_cases import all_cases  # noqa: E402
+from stress.memory import run_fuzz_memory  # noqa: E402
 from stress.overload import run_overload  # noqa: E402
 from stress.report import PhaseResult, render_table, violations  # noqa: E402
 from stress.shutdown import run_shutdown  # noqa: E402
 from stress.soak import run_soak  # noqa: E402
 from stress.storm import run_storm  # noqa: E402
-from stress.target import Target, server_args  # noqa: E402
+from stress.slow_clients import run_slow_clients  # noqa: E402
+from stress.target import CONNECTION_CAP, HEADER_TIMEOUT_S, Target, server_args  # noqa: E402
 
-PHASES = ("fuzz", "schemathesis", "storm", "overload", "soak", "sigterm")
+PHASES = ("fuzz", "schemathesis", "storm", "overload", "slow-clients", "soak", "sigterm")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -43,6 +46,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fuzz-cases", type=int, default=0, help="0: all of them")
     p.add_argument("--schemathesis-examples", type=int, default=50)
     p.add_argument("--storm-clients", type=int, default=64)
+    p.add_argument("--slow-clients", type=int, default=150,
+                   help="connections that stall in headers or body (phase slow-clients)")
     p.add_argument("--sigterm-streams", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip", nargs="*", default=[], choices=PHASES)
@@ -60,12 +65,14 @@ def run(args: argparse.Namespace) -> tuple[list[PhaseResult], list[str]]:
     target = start(args.max_model_len)
     cases = all_cases(args.seed)
     phases: list[tuple[str, Callable[[], PhaseResult]]] = [
-        ("fuzz", lambda: run_fuzz(target, cases[: args.fuzz_cases or None])),
+        ("fuzz", lambda: run_fuzz_memory(target, cases[: args.fuzz_cases or None])),
         ("schemathesis", lambda: run_schemathesis(target, args.schemathesis_examples, args.seed)),
         ("storm", lambda: run_storm(target, args.storm_clients, args.max_waiting,
                                     args.max_model_len - 16, args.seed)),
         ("overload", lambda: run_overload(target, 5, 16, args.max_num_seqs,
                                           args.max_model_len - 16)),
+        ("slow-clients", lambda: run_slow_clients(target, args.slow_clients, HEADER_TIMEOUT_S,
+                                                  CONNECTION_CAP)),
         ("soak", lambda: run_soak(target, args.minutes, args.load, args.calibrate_seconds,
                                   args.max_num_seqs, args.seed)),
     ]

@@ -11,6 +11,8 @@ from server_utils import RemoteServer
 from stress.report import Idle
 
 API_KEY = "stress-key"
+HEADER_TIMEOUT_S = 3.0  # --header-timeout and --body-timeout of the server under stress
+CONNECTION_CAP = 200  # its --limit-concurrency: above the storm's and the soak's clients
 IDLE_DEADLINE_S = 5.0  # the target: running = waiting = KV = 0 within 5 s of a phase
 
 
@@ -21,7 +23,10 @@ def server_args(model: str, max_model_len: int, max_waiting: int, max_num_seqs: 
     args = ["--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs),
             "--max-waiting-requests", str(max_waiting), "--max-num-batched-tokens", "256",
             "--num-kv-blocks", str((max_num_seqs + 1) * -(-max_model_len // 16)),
-            "--shutdown-timeout", str(shutdown_timeout)]
+            "--shutdown-timeout", str(shutdown_timeout),
+            # Short deadlines and a small cap, so the slow-clients phase runs in seconds.
+            "--header-timeout", str(HEADER_TIMEOUT_S), "--body-timeout", str(HEADER_TIMEOUT_S),
+            "--limit-concurrency", str(CONNECTION_CAP)]
     return [*args, "--dtype", "float32"] if model == "tiny-llama" else args
 
 
