@@ -11,7 +11,7 @@ import json
 import logging
 from typing import Any
 
-from chunkserve.serve.heap import TRIM_AFTER_BYTES, release_free_memory
+from chunkserve.serve.heap import HeapTrimmer
 from chunkserve.serve.errors import error_body
 
 log = logging.getLogger("chunkserve.server")
@@ -33,6 +33,7 @@ class EdgeMiddleware:
         self.max_body_bytes = max_body_bytes
         self.api_key = api_key
         self.open_paths = frozenset(open_paths)
+        self.trimmer = HeapTrimmer()
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -102,8 +103,7 @@ class EdgeMiddleware:
                 await _send_json(send, (500, error_body(str(e), "InternalServerError", 500)))
                 return
         finally:
-            if seen >= TRIM_AFTER_BYTES:  # the body and what was parsed from it are garbage now
-                release_free_memory()
+            self.trimmer.after_request(seen)  # the body and what was parsed from it are garbage
         if exceeded:
             await _send_json(send, self._too_large())
 
