@@ -9,7 +9,7 @@ from chunkserve.core.sched_output import SchedulerOutput
 from chunkserve.engine.cuda_graph import CUDAGraphRunner, capture_sizes
 from chunkserve.engine.executor import RunnerOutput
 from chunkserve.engine.input_batch import build_layout, sample_rows
-from chunkserve.engine.sampler import Sampler, SamplingRow
+from chunkserve.engine.sampler import Sampler, SamplingRow, logprob_entries
 from chunkserve.model.attention.backend import FP8_BY_NAME
 from chunkserve.model.batch import BatchLayout, DeviceStager
 from chunkserve.model.models.interface import CausalLM
@@ -173,32 +173,16 @@ class ModelRunner:
         if not spans:
             return {}
         all_rows = torch.from_numpy(np.concatenate(rows)).to(self.device)
-        all_targets = torch.tensor(targets, dtype=torch.long, device=self.device)
-        max_k = max(k for *_, k in spans)
-        token_lp: list[float] = []
-        top_ids: list[list[int]] = []
-        top_lp: list[list[float]] = []
+        top_ks = [k for _, _, count, k in spans for _ in range(count)]
+        entries: list[list[tuple[int, float]]] = []
         step = self.PROMPT_LOGPROBS_ROWS
         for lo in range(0, len(targets), step):
-            # Raw logits' log-softmax in float32, as the sampler's logprobs.
-            lp = self.model.compute_logits(hidden[all_rows[lo : lo + step]]).float()
-            lp = lp.log_softmax(dim=-1)
-            token_lp += lp.gather(1, all_targets[lo : lo + step, None]).squeeze(1).cpu().tolist()
-            n = min(max_k, lp.shape[1])
-            if n:
-                values, indices = lp.topk(n)
-                top_lp += values.cpu().tolist()
-                top_ids += indices.cpu().tolist()
+            logits = self.model.compute_logits(hidden[all_rows[lo : lo + step]])
+            entries += logprob_entries(logits, targets[lo : lo + step], top_ks[lo : lo + step])
         result = {}
         pos = 0
-        for rid, first, count, k in spans:
-            entries = []
-            for j in range(pos, pos + count):
-                entry = [(targets[j], token_lp[j])]
-                if k:
-                    entry += list(zip(top_ids[j][:k], top_lp[j][:k]))
-                entries.append(entry)
-            result[rid] = (first, entries)
+        for rid, first, count, _ in spans:
+            result[rid] = (first, entries[pos : pos + count])
             pos += count
         return result
 

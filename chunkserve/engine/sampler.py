@@ -251,12 +251,27 @@ def _gather_logprobs(
     if not asked:
         return None
     result: list[list[tuple[int, float]]] = [[] for _ in rows]
-    logprobs = raw[asked].float().log_softmax(dim=-1).cpu()
-    for lp, i in zip(logprobs, asked):
-        entries = [(token_ids[i], float(lp[token_ids[i]]))]
-        n = min(rows[i].params.logprobs or 0, lp.shape[0])
-        if n:
-            values, indices = lp.topk(n)
-            entries += list(zip(indices.tolist(), values.tolist()))
-        result[i] = entries
+    entries = logprob_entries(raw[asked], [token_ids[i] for i in asked],
+                              [rows[i].params.logprobs or 0 for i in asked])
+    for i, entry in zip(asked, entries):
+        result[i] = entry
     return result
+
+
+def logprob_entries(
+    logits: torch.Tensor, token_ids: list[int], top_ks: list[int]
+) -> list[list[tuple[int, float]]]:
+    """Per row: [(token_ids[row], its logprob), *top-k (id, logprob) pairs, descending], from
+    the float32 log-softmax of `logits` (raw logits: vLLM's default `raw_logprobs`). Shared by
+    the sampled tokens' logprobs and the prompt logprobs (ModelRunner), so both read alike."""
+    lp = logits.float().log_softmax(dim=-1)
+    ids = torch.tensor(token_ids, dtype=torch.long, device=lp.device)
+    chosen = lp.gather(1, ids[:, None]).squeeze(1).cpu().tolist()
+    k = min(max(top_ks, default=0), lp.shape[1])
+    top_lp: list[list[float]] = [[] for _ in token_ids]
+    top_ids: list[list[int]] = [[] for _ in token_ids]
+    if k:
+        values, indices = lp.topk(k)
+        top_lp, top_ids = values.cpu().tolist(), indices.cpu().tolist()
+    return [[(t, c), *zip(top_ids[r][:kr], top_lp[r][:kr])]
+            for r, (t, c, kr) in enumerate(zip(token_ids, chosen, top_ks))]
