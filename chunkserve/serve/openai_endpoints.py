@@ -60,7 +60,7 @@ async def completions(
 ) -> Response:
     _check(req, serving)
     samples = req.samples_per_prompt  # best_of, else n: what runs and what admission counts
-    _check_size(serving, len(req.prompts()), samples, req.n)
+    serving.check_size(len(req.prompts()), samples, "best_of" if samples > req.n else "n")
     prompts = await serving.prepare(req.prompts(), req.to_sampling_params, req.priority,
                                     add_special_tokens=req.add_special_tokens)
     echoes = [_echo_text(p, serving) if req.echo else "" for p in prompts]
@@ -139,18 +139,6 @@ async def _collect_unless_disconnected(
         return await until_disconnect(raw, _collect(stream))
     finally:
         ticket.release()  # places never used: the client left before they were sent
-
-
-def _check_size(serving: Serving, num_prompts: int, samples: int, n: int) -> None:
-    """serving.check_size on the sequences that run (best_of of them per prompt), naming
-    best_of when it is what asks for more than n."""
-    try:
-        serving.check_size(num_prompts, samples)
-    except ApiError as e:
-        if samples > n:
-            e.param = "best_of"
-            e.message = e.message.replace(f"n={samples}", f"best_of={samples}")
-        raise
 
 
 def _best_of(finals: dict[int, RequestOutput], num_prompts: int, best_of: int,

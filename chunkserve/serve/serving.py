@@ -129,22 +129,24 @@ class Serving:
             prepared.append(replace(request, prompt=prompt if isinstance(prompt, str) else None))
         return prepared
 
-    def check_size(self, num_prompts: int, n: int) -> None:
-        """400 for a request that no amount of waiting would let in; call before tokenizing."""
+    def check_size(self, num_prompts: int, n: int, param: str = "n") -> None:
+        """400 for a request that no amount of waiting would let in; call before tokenizing.
+        `n`: the sequences run per prompt, named `param` (best_of when that is what runs)."""
         num, limit = num_prompts * n, self.max_waiting_requests
-        what = f"{num} sequences (n={n} × {num_prompts} prompt{'s' if num_prompts > 1 else ''})"
+        plural = "s" if num_prompts > 1 else ""
+        what = f"{num} sequences ({param}={n} × {num_prompts} prompt{plural})"
         if num > MAX_SEQUENCES or (limit is not None and num > limit):
             self.count_rejected("too_many_sequences")
         if num > MAX_SEQUENCES:
             raise ApiError(400, f"This request asks for {what}; at most {MAX_SEQUENCES} are "
-                           "allowed.", param="n")
+                           "allowed.", param=param)
         if limit is not None and num > limit:
             raise ApiError(
                 400,
                 f"This request asks for {what}, more than this server ever queues at once "
                 f"(--max-waiting-requests {limit}), so it could never be admitted. Send fewer "
-                "prompts or a smaller n.",
-                param="n",
+                f"prompts or a smaller {param}.",
+                param=param,
             )
 
     def count_rejected(self, reason: str) -> None:
