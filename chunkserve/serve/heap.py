@@ -1,20 +1,21 @@
 """Giving freed heap memory back to the OS (glibc), so hostile input leaves no RSS behind.
 
-A fuzz of malformed requests raised the server's RSS by ~100 MiB in its first pass and ~30 MiB
-in its second (tests/stress/memory.py): not a leak of Python objects but glibc's allocator
-keeping pages once used for multi-MiB bodies (a 7 MiB prompt, a 400,000-entry stop list), in
-one arena per thread that touched them (the tokenizer's worker threads, the event loop). Two
-remedies, both no-ops off glibc:
+The stress fuzz (2,336 malformed requests, run twice: tests/stress/memory.py) raised a
+tiny-llama server's RSS by +100.7 MiB, then +29.1 MiB, and a third pass grew it again.
+tracemalloc saw +3 KB of live Python objects between passes: what grew was glibc's heap.
+Multi-MiB bodies (a 7 MiB prompt, a 400,000-entry stop list) and the copies parsed from them
+went into the heap once glibc's *dynamic* mmap threshold had climbed past their size, and,
+freed, left holes that later allocations kept spreading into. Remedies, all no-ops off glibc:
 
-- `limit_arenas` caps the malloc arenas (glibc's default is 8 per core), so a big body's pages
-  are reused by the next one whatever thread parses it;
-- `HeapTrimmer` returns the free pages of every arena (malloc_trim) after a request with a
-  large body, and otherwise at most once a second while requests arrive: memory that small
-  requests free in native code (the tokenizer, torch) is given back too, for ~0.3 ms a trim.
+- `configure_allocator` caps the malloc arenas at 2 (glibc's default is 8 per core), so the
+  pages one large body used are reused by the next whatever thread parses it;
+- `HeapGuard`, told by the HTTP layer (serve/middleware.py), lowers the mmap threshold to
+  1 MiB while a body of 1 MiB or more is in flight, so it and its copies are mmapped and go
+  back to the OS whole; afterwards the thresholds are fixed where the dynamic ones end up
+  (32 MiB, trim 64 MiB). It also trims (malloc_trim) after such a request, and otherwise at
+  most once a second while requests arrive (~0.3 ms a trim).
 
-Measured (tiny-llama server, the stress fuzz corpus of 2,336 cases run twice; docs/reliability.md
-item 15): +100.7 then +29.1 MiB before; tracemalloc saw +3 KB of live Python objects between
-two passes, so what grew was allocator pages, not objects.
+With these the same fuzz grew RSS by +54, +3, +0 MiB (docs/reliability.md, item 15).
 """
 from __future__ import annotations
 
@@ -24,11 +25,22 @@ import logging
 import time
 
 log = logging.getLogger("chunkserve.server")
-M_ARENA_MAX = -8  # glibc's mallopt parameter number
+# glibc's mallopt parameter numbers.
+M_TRIM_THRESHOLD = -1
+M_MMAP_THRESHOLD = -3
+M_ARENA_MAX = -8
 MAX_ARENAS = 2
-# Bodies at least this large are followed by a trim at once: rare, and each leaves megabytes.
-TRIM_AFTER_BYTES = 1 << 20
+# Bodies at least this large are "large": read and parsed with the body threshold below, and
+# followed by a trim at once. Rare, and each used to leave megabytes behind.
+LARGE_BODY_BYTES = 1 << 20
 TRIM_INTERVAL_S = 1.0
+# After a large body: the ceiling glibc's dynamic mmap threshold climbs to (and its trim
+# threshold, twice that), fixed, since setting one ends glibc's dynamic adjustment for good.
+SERVING_MMAP_THRESHOLD = 32 << 20
+SERVING_TRIM_THRESHOLD = 64 << 20
+# While a large body is in flight: it and the copies parsed from it are mmapped, so freeing them
+# returns them to the OS whole instead of leaving holes in the heap (the growth that repeated).
+BODY_MMAP_THRESHOLD = 1 << 20
 
 
 def _libc() -> ctypes.CDLL | None:
@@ -45,12 +57,25 @@ def _libc() -> ctypes.CDLL | None:
 
 
 _LIBC = _libc()
+_configured = False
 
 
-def limit_arenas(max_arenas: int = MAX_ARENAS) -> None:
-    """Call at startup, before the server's threads allocate."""
-    if _LIBC is not None and not _LIBC.mallopt(M_ARENA_MAX, max_arenas):
-        log.debug("mallopt(M_ARENA_MAX) refused")
+def _mallopt(param: int, value: int) -> None:
+    if _LIBC is not None and not _LIBC.mallopt(param, value):
+        log.debug("mallopt(%d, %d) refused", param, value)
+
+
+def configure_allocator() -> None:
+    """The server's allocator settings; call at startup, before its threads allocate. Until
+    it is called (an in-process engine, the tests) HeapGuard only trims."""
+    global _configured
+    if _LIBC is None:
+        return
+    _mallopt(M_ARENA_MAX, MAX_ARENAS)
+    # The mmap and trim thresholds stay glibc's dynamic ones until a large body arrives: fixing
+    # them costs long prefills ~2-4% (docs/performance.md), which a server that never sees a
+    # large body need not pay.
+    _configured = True
 
 
 def release_free_memory() -> None:
@@ -58,15 +83,26 @@ def release_free_memory() -> None:
         _LIBC.malloc_trim(0)
 
 
-class HeapTrimmer:
-    """Decides when a finished request is followed by a trim (on the event loop)."""
+class HeapGuard:
+    """Told by the HTTP layer when large bodies start and requests end (on the event loop)."""
 
     def __init__(self, interval_s: float = TRIM_INTERVAL_S) -> None:
         self.interval_s = interval_s
-        self._last = time.monotonic()
+        self._last_trim = time.monotonic()
+        self._large_in_flight = 0
 
-    def after_request(self, body_bytes: int) -> None:
+    def large_body_begins(self) -> None:
+        self._large_in_flight += 1
+        if self._large_in_flight == 1 and _configured:
+            _mallopt(M_MMAP_THRESHOLD, BODY_MMAP_THRESHOLD)
+
+    def request_ends(self, large_body: bool) -> None:
+        if large_body:
+            self._large_in_flight -= 1
+            if self._large_in_flight == 0 and _configured:
+                _mallopt(M_MMAP_THRESHOLD, SERVING_MMAP_THRESHOLD)
+                _mallopt(M_TRIM_THRESHOLD, SERVING_TRIM_THRESHOLD)
         now = time.monotonic()
-        if body_bytes >= TRIM_AFTER_BYTES or now - self._last >= self.interval_s:
-            self._last = now
+        if large_body or now - self._last_trim >= self.interval_s:
+            self._last_trim = now
             release_free_memory()

@@ -16,7 +16,7 @@ import uvicorn
 
 from chunkserve.engine.arg_utils import add_engine_args, config_from_args
 from chunkserve.serve.compute_thread import ComputeThread
-from chunkserve.serve.heap import limit_arenas
+from chunkserve.serve.heap import configure_allocator
 from chunkserve.serve.http_protocol import ConnectionLimits, protocol_class
 
 if TYPE_CHECKING:
@@ -129,7 +129,7 @@ def run_server(args: argparse.Namespace) -> int:
     if not args.timeout_keep_alive > 0:
         raise ValueError("--timeout-keep-alive must be positive")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    limit_arenas()  # before the engine's and the tokenizer's threads allocate (serve/heap.py)
+    configure_allocator()  # before the engine's and the tokenizer's threads allocate (serve/heap.py)
     # Built on the thread its loop will run on: one OpenMP pool (serve/compute_thread.py).
     compute = ComputeThread()
     engine = compute.call(lambda: build_engine(args))

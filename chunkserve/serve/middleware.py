@@ -11,7 +11,7 @@ import json
 import logging
 from typing import Any
 
-from chunkserve.serve.heap import HeapTrimmer
+from chunkserve.serve.heap import LARGE_BODY_BYTES, HeapGuard
 from chunkserve.serve.errors import error_body
 
 log = logging.getLogger("chunkserve.server")
@@ -33,7 +33,7 @@ class EdgeMiddleware:
         self.max_body_bytes = max_body_bytes
         self.api_key = api_key
         self.open_paths = frozenset(open_paths)
-        self.trimmer = HeapTrimmer()
+        self.heap = HeapGuard()
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -49,7 +49,7 @@ class EdgeMiddleware:
         if refusal is not None:
             await _send_json(send, *refusal)
             return
-        await self._guarded(scope, receive, send)
+        await self._guarded(scope, receive, send, int(declared) if declared.isdigit() else 0)
 
     def _check_key(self, raw_headers: list[tuple[bytes, bytes]], path: str
                    ) -> tuple[tuple[int, dict[str, Any]], list[tuple[bytes, bytes]]] | None:
@@ -71,17 +71,25 @@ class EdgeMiddleware:
             "Unauthorized: send a valid API key as 'Authorization: Bearer <key>'.",
             "AuthenticationError", 401)), [(b"www-authenticate", b"Bearer")]
 
-    async def _guarded(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+    async def _guarded(self, scope: dict[str, Any], receive: Any, send: Any,
+                       declared: int) -> None:
         seen = 0
         exceeded = False
         started = False
+        # A large body is read and parsed under the heap's body settings (serve/heap.py).
+        large = declared >= LARGE_BODY_BYTES
+        if large:
+            self.heap.large_body_begins()
 
         async def limited_receive() -> dict[str, Any]:
             # Counts body bytes as the app reads them: a chunked upload declares no length.
-            nonlocal seen, exceeded
+            nonlocal seen, exceeded, large
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
+                if seen >= LARGE_BODY_BYTES and not large:
+                    large = True
+                    self.heap.large_body_begins()
                 if seen > self.max_body_bytes:
                     exceeded = True
                     raise ValueError("request body too large")
@@ -103,7 +111,7 @@ class EdgeMiddleware:
                 await _send_json(send, (500, error_body(str(e), "InternalServerError", 500)))
                 return
         finally:
-            self.trimmer.after_request(seen)  # the body and what was parsed from it are garbage
+            self.heap.request_ends(large)  # the body and what was parsed from it are garbage
         if exceeded:
             await _send_json(send, self._too_large())
 
