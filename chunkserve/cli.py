@@ -12,7 +12,7 @@ def _generate(args: argparse.Namespace) -> int:
     from chunkserve.llm import LLM
     from chunkserve.sampling_params import SamplingParams
 
-    llm = LLM(**engine_kwargs(_with_step_time(args)))
+    llm = LLM(**engine_kwargs(_with_step_time(args, serving=False)))
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
         top_k=args.top_k, min_p=args.min_p, seed=args.sampling_seed, stop=args.stop or None,
@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server (vLLM's flags)")
     add_server_args(srv)
-    srv.set_defaults(func=lambda args: run_server(_with_step_time(args)))
+    srv.set_defaults(func=lambda args: run_server(_with_step_time(args, serving=True)))
 
     from chunkserve.bench.cli import add_bench_parsers
 
@@ -89,12 +89,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _with_step_time(args: argparse.Namespace) -> argparse.Namespace:
-    """Adds the adaptive policy's step-time model (built from --cost-model) to the engine
-    flags. Built here because neither the engine nor the server may import the simulator's
-    cost models; the command line is above both."""
+def _with_step_time(args: argparse.Namespace, serving: bool) -> argparse.Namespace:
+    """Settles the chunk policy (arg_utils.default_chunk_policy) and adds the adaptive policy's
+    step-time model (the engine's online one, or --cost-model's) to the engine flags. Built
+    here because neither the engine nor the server may import the simulator's cost models; the
+    command line is above both."""
+    from chunkserve.engine.arg_utils import default_chunk_policy
     from chunkserve.sim.step_cost import step_time_kwargs
 
+    args.chunk_policy = default_chunk_policy(args, serving)
     model = getattr(args, "model_tag", None) or args.model  # `serve MODEL` names it first
     for key, value in step_time_kwargs(args.chunk_policy, args.cost_model, model).items():
         setattr(args, key, value)

@@ -18,6 +18,10 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 # sized from a step-time model to keep the step under target_itl_ms (core/chunk_budget.py).
 CHUNK_POLICIES = ("static", "adaptive")
 DEFAULT_MIN_CHUNK_TOKENS = 32
+# adaptive without --target-itl-ms: the token gap the policy holds (docs/performance.md,
+# "No knob to turn", says how it was chosen). Below the machine's decode-only step it degrades
+# to the smallest chunk with a warning, where an explicit target too low is an error.
+DEFAULT_TARGET_ITL_MS = 250.0
 DTYPES = ("auto", "float32", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 LOAD_FORMATS = ("auto", "dummy")  # dummy: random weights from the model's config (vLLM's name)
@@ -110,7 +114,7 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0  # 0: off
     scheduling_policy: str = "fcfs"
     chunk_policy: str = "static"
-    target_itl_ms: float | None = None  # adaptive: the predicted step time to stay under
+    target_itl_ms: float | None = None  # adaptive: the step time to stay under (None: default)
     min_chunk_tokens: int = DEFAULT_MIN_CHUNK_TOKENS  # adaptive: the chunk never goes below
     # adaptive: predicted seconds of a planned step (core.chunk_budget.StepTimeFn). A callable
     # rather than a name so that the scheduler stays pure: whoever builds the engine makes it
@@ -122,6 +126,12 @@ class SchedulerConfig:
         return self.scheduler in CHUNKED_SCHEDULERS
 
     @property
+    def target_s(self) -> float:
+        """adaptive: the token-gap target in seconds, the default when none was given."""
+        target = DEFAULT_TARGET_ITL_MS if self.target_itl_ms is None else self.target_itl_ms
+        return target / 1e3
+
+    @property
     def is_resolved(self) -> bool:
         """Every default that depends on another is filled in (what the scheduler asserts)."""
         return (self.scheduler in SCHEDULERS and self.enable_chunked_prefill is not None
@@ -131,7 +141,8 @@ class SchedulerConfig:
         """A copy with the defaults that depend on each other filled in, then verified.
 
         The one place where "no chunking → budget = max_model_len" is decided: a no-chunk
-        policy must fit a whole max-length prompt in one step.
+        policy must fit a whole max-length prompt in one step. The adaptive policy's cap is
+        max_model_len too: its step-time model, not a fixed number, bounds each step.
         """
         max_len = self.max_model_len if max_model_len is None else max_model_len
         scheduler = self.scheduler
@@ -142,7 +153,8 @@ class SchedulerConfig:
         chunked = scheduler in CHUNKED_SCHEDULERS
         budget = self.max_num_batched_tokens
         if budget is None:
-            budget = DEFAULT_MAX_NUM_BATCHED_TOKENS if chunked else max_len
+            fixed = chunked and self.chunk_policy != "adaptive"
+            budget = DEFAULT_MAX_NUM_BATCHED_TOKENS if fixed else max_len
         resolved = replace(
             self, scheduler=scheduler, max_model_len=max_len, max_num_batched_tokens=budget,
             enable_chunked_prefill=(chunked if self.enable_chunked_prefill is None
@@ -196,12 +208,13 @@ class SchedulerConfig:
         if not self.chunked:
             raise ValueError(f"chunk_policy 'adaptive' sizes prefill chunks; scheduler "
                              f"{self.scheduler!r} never chunks. Use decode-first or vllm-v1.")
-        if self.target_itl_ms is None or not self.target_itl_ms > 0:
-            raise ValueError("chunk_policy 'adaptive' needs a positive target_itl_ms "
-                             f"(--target-itl-ms), got {self.target_itl_ms}.")
+        if self.target_itl_ms is not None and not self.target_itl_ms > 0:
+            raise ValueError(f"target_itl_ms (--target-itl-ms) must be positive, got "
+                             f"{self.target_itl_ms}.")
         if self.step_time is None:
-            raise ValueError("chunk_policy 'adaptive' needs a step-time model (step_time; on the "
-                             "command line --cost-model, a profile file or a hardware preset).")
+            raise ValueError("chunk_policy 'adaptive' needs a step-time model (step_time: "
+                             "chunkserve.sim.step_cost.step_time_kwargs builds one, the online "
+                             "model by default; on the command line, --cost-model).")
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,17 @@ Prompt = str | list[int]
 
 class LLM:
     def __init__(
-        self, model: str = "smollm2-135m", loaded: LoadedModel | None = None, **kwargs: Any
+        self, model: str = "smollm2-135m", loaded: LoadedModel | None = None,
+        cost_model: str | None = None, **kwargs: Any
     ) -> None:
+        """Offline runs keep the static throughput default (a budget of 2048).
+        `chunk_policy="adaptive"` sizes chunks to `target_itl_ms` (default 250) with the
+        engine's own step-time model, or `cost_model`'s (a profile file or a hardware preset)."""
+        if kwargs.get("chunk_policy") == "adaptive" and kwargs.get("step_time") is None:
+            # Imported here: the static default must not pay for the cost models' import.
+            from chunkserve.sim.step_cost import engine_step_time
+
+            kwargs["step_time"] = engine_step_time(cost_model, model)
         self.engine = LLMEngine.from_kwargs(loaded=loaded, model=model, **kwargs)
 
     def get_tokenizer(self):  # type: ignore[no-untyped-def]

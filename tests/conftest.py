@@ -2,12 +2,16 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 
 # Nothing in the suite may reach a model hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# The step-time model's warm-start cache (sim/online_model.py): one per test session, shared
+# with the servers it starts, never the user's ~/.cache/chunkserve.
+os.environ.setdefault("CHUNKSERVE_CACHE_DIR", tempfile.mkdtemp(prefix="chunkserve-cache-"))
 
 
 def _has_cuda() -> bool:

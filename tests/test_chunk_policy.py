@@ -134,8 +134,12 @@ def test_no_step_exceeds_max_num_batched_tokens(
 # ---- bad input ------------------------------------------------------------------------------
 @pytest.mark.parametrize("kwargs, message", [
     (dict(chunk_policy="greedy", target_itl_ms=20), "chunk_policy must be one of"),
-    (dict(chunk_policy="adaptive"), "needs a positive target_itl_ms"),
-    (dict(chunk_policy="adaptive", target_itl_ms=-1), "needs a positive target_itl_ms"),
+    # No target is fine now (the default, issue 28): what is missing here is the model.
+    (dict(chunk_policy="adaptive"), "needs a step-time model"),
+    (dict(chunk_policy="adaptive", target_itl_ms=-1, step_time=linear_step_time),
+     r"target_itl_ms \(--target-itl-ms\) must be positive, got -1"),
+    (dict(chunk_policy="adaptive", target_itl_ms=0, step_time=linear_step_time),
+     "must be positive"),
     (dict(target_itl_ms=20), "needs chunk_policy 'adaptive'"),
     (dict(chunk_policy="adaptive", target_itl_ms=20, min_chunk_tokens=0), "min_chunk_tokens"),
     (dict(chunk_policy="adaptive", target_itl_ms=20, scheduler="prefill-first"), "never chunks"),
@@ -144,6 +148,21 @@ def test_no_step_exceeds_max_num_batched_tokens(
 def test_bad_config_is_a_clear_error(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         SchedulerConfig(max_num_batched_tokens=8192, **kwargs).resolve()
+
+
+def test_no_target_means_the_default_target() -> None:
+    """Issue 28: adaptive without target_itl_ms holds DEFAULT_TARGET_ITL_MS, and without a
+    budget its cap is the model's context (the step-time model bounds each step instead)."""
+    from chunkserve.config import DEFAULT_TARGET_ITL_MS
+
+    config = SchedulerConfig(chunk_policy="adaptive", step_time=linear_step_time,
+                             max_model_len=4096).resolve()
+    assert config.target_itl_ms is None
+    assert config.target_s == pytest.approx(DEFAULT_TARGET_ITL_MS / 1e3)
+    assert config.max_num_batched_tokens == 4096
+    explicit = SchedulerConfig(chunk_policy="adaptive", step_time=linear_step_time,
+                               target_itl_ms=40.0).resolve(4096)
+    assert explicit.target_s == pytest.approx(0.040)
 
 
 def test_target_below_one_decode_step_is_refused() -> None:
@@ -166,17 +185,21 @@ def test_cli_reports_bad_target_without_traceback(tmp_path, capsys) -> None:
     assert "go together" in capsys.readouterr().err
 
 
-def test_engine_needs_a_cost_model(tiny_model_dir: str, tmp_path, monkeypatch, capsys) -> None:
-    from chunkserve import LLM
+def test_engine_needs_a_cost_model(tiny_model_dir: str, capsys: pytest.CaptureFixture[str]
+                                   ) -> None:
+    """The engine itself still needs a step-time model; LLM(...) and the command line build
+    the online one when none is named (issue 28: no cached profile is needed any more)."""
     from chunkserve.cli import main
+    from chunkserve.engine.llm_engine import LLMEngine
 
     with pytest.raises(ValueError, match="needs a step-time model"):
-        LLM(model=tiny_model_dir, dtype="float32", chunk_policy="adaptive", target_itl_ms=50)
-    # The command line builds one from --cost-model, by default the cached profile.
-    monkeypatch.setenv("CHUNKSERVE_PROFILE", str(tmp_path / "missing.json"))
-    assert main(["generate", "--model", tiny_model_dir, "--prompt", "hi", "--chunk-policy",
-                 "adaptive", "--target-itl-ms", "50"]) == 2
-    assert "no cached profile" in capsys.readouterr().err
+        LLMEngine.from_kwargs(model=tiny_model_dir, dtype="float32", chunk_policy="adaptive",
+                              target_itl_ms=50)
+    assert main(["generate", "--model", tiny_model_dir, "--dtype", "float32", "--prompt", "hi",
+                 "--max-tokens", "2", "--ignore-eos", "--chunk-policy", "adaptive",
+                 "--target-itl-ms", "1000"]) == 0
+    err = capsys.readouterr().err
+    assert "chunkserve: error" not in err and "2 generated" in err
 
 
 # ---- token identity on the real engine ------------------------------------------------------

@@ -13,6 +13,7 @@ from chunkserve.benchlib.sweep import RunResult, SweepPoint
 from chunkserve.benchlib.workloads import BenchRequest
 from chunkserve.engine.clock import WallClock
 from chunkserve.engine.llm_engine import LLMEngine, StepResult
+from chunkserve.sim.online_model import OnlineCostModel
 
 if TYPE_CHECKING:  # the model (torch) is imported only by a command that loads one
     from chunkserve.model.factory import LoadedModel
@@ -27,6 +28,11 @@ def run_point(
     on_step: Callable[[StepResult], None] | None = None,
 ) -> RunResult:
     clock = WallClock()
+    if point.auto:
+        # `auto` is what `serve` runs without flags: the engine's own online model, fresh for
+        # every run so one point's learning never leaks into another's (its warm start comes
+        # from the step-model cache: only the first run on a machine probes).
+        engine_kwargs = {**engine_kwargs, "step_time": OnlineCostModel()}
     config_kwargs = dict(model=loaded.path, **engine_kwargs, **point.engine_kwargs())
     engine = LLMEngine.from_kwargs(loaded=loaded, clock=clock.time, **config_kwargs)
     return replay(engine, point, requests, arrivals, clock, on_step)

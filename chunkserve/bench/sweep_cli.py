@@ -12,11 +12,13 @@ from chunkserve.benchlib.args import (
     check_fits,
     check_sweep_args,
     points_from_args,
+    rate_keys,
+    request_rates,
     workload_requests,
 )
 from chunkserve.benchlib.report import sweep_and_report
-from chunkserve.benchlib.sweep import SweepPoint
-from chunkserve.benchlib.workloads import arrival_times
+from chunkserve.benchlib.sweep import RunResult, SweepPoint
+from chunkserve.benchlib.workloads import stepped_arrival_times
 from chunkserve.config import ATTENTION_BACKENDS, DEVICES, DTYPES, LOAD_FORMATS
 from chunkserve.engine.arg_utils import add_cost_model_arg
 from chunkserve.sim.step_cost import step_time_kwargs
@@ -51,21 +53,21 @@ def run_sweep(args: argparse.Namespace) -> int:
         block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
         max_num_seqs=args.max_num_seqs, kv_cache_memory=args.kv_cache_memory,
         enforce_eager=args.enforce_eager, enable_prefix_caching=args.enable_prefix_caching,
-        **step_time_kwargs(args.chunk_policy, args.cost_model, args.model),
     )
-    rate = args.request_rate
-    if args.load is not None:
-        probe = SweepPoint(512, args.scheduler)
-        capacity = measure_capacity(loaded, requests, engine_kwargs, probe)
-        rate = args.load * capacity
-        print(f"measured capacity {capacity:.3f} req/s; --load {args.load} -> {rate:.3f} req/s")
-    rate = float("inf") if rate is None else rate
-    arrivals = arrival_times(len(requests), rate, args.burstiness, args.seed)
-    extra = {"request_rate": rate if rate != float("inf") else "inf",
-             "num_prompts": len(requests), "dataset_name": args.dataset_name}
+    probe = SweepPoint(512, args.scheduler)
+    rates = request_rates(args, lambda: measure_capacity(loaded, requests, engine_kwargs, probe),
+                          log=lambda line: print(f"measured {line}"))
+    arrivals = stepped_arrival_times(len(requests), rates, args.burstiness, args.seed)
+    extra = {**rate_keys(args, rates), "num_prompts": len(requests),
+             "dataset_name": args.dataset_name}
     command = "chunkserve bench sweep " + " ".join(shlex.quote(a) for a in sys.argv[3:])
     title = f"Chunk-size sweep: {args.model}, {args.dataset_name}, {len(requests)} requests"
-    return sweep_and_report(
-        points, lambda p: run_point(loaded, p, requests, arrivals, engine_kwargs), extra, args,
-        title, command,
-    )
+
+    def run_one(point: SweepPoint) -> RunResult:
+        # Each adaptive point's own step-time model: an online one learns from its run only.
+        # auto's is always the online model, which run_point makes.
+        policy = None if point.auto else point.chunk_policy
+        kwargs = {**engine_kwargs, **step_time_kwargs(policy, args.cost_model, args.model)}
+        return run_point(loaded, point, requests, arrivals, kwargs)
+
+    return sweep_and_report(points, run_one, extra, args, title, command)

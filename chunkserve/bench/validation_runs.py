@@ -12,7 +12,7 @@ from chunkserve.bench.calibration import load_profiled_model, step_sample
 from chunkserve.bench.sweep import run_point
 from chunkserve.benchlib.args import check_fits, workload_requests
 from chunkserve.benchlib.sweep import parse_chunk_sizes, sweep_points
-from chunkserve.benchlib.workloads import arrival_times
+from chunkserve.benchlib.workloads import stepped_arrival_times
 from chunkserve.engine.llm_engine import StepResult
 from chunkserve.model.factory import LoadedModel
 from chunkserve.sim.cost_model import StepShape
@@ -44,7 +44,8 @@ def replay_workloads(args: argparse.Namespace, loaded: LoadedModel) -> list[Real
         seed = args.seed + rep
         requests = workload_requests(args, loaded.tokenizer, seed)
         check_fits(requests, loaded.max_model_len)
-        arrivals = arrival_times(len(requests), args.request_rate, args.burstiness, seed)
+        arrivals = stepped_arrival_times(len(requests), args.request_rate, args.burstiness,
+                                         seed)
         for point in points:
             steps: list[tuple[StepShape, float]] = []
 

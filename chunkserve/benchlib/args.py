@@ -8,7 +8,8 @@ article (its mixed workload, 100 prompts).
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -19,7 +20,7 @@ from chunkserve.benchlib.shared_prefix import (
     shared_prefix_requests,
     spec_from_args,
 )
-from chunkserve.benchlib.sweep import SweepPoint, parse_chunk_sizes, sweep_points
+from chunkserve.benchlib.sweep import AUTO, SweepPoint, parse_chunk_sizes, sweep_points
 from chunkserve.benchlib.workloads import (
     DATASET_NAMES,
     BenchRequest,
@@ -65,12 +66,60 @@ def add_workload_args(
                    help="gamma shape of arrival gaps: 1 Poisson, <1 burstier, >1 steadier")
 
 
+def rate_list(text: str) -> tuple[float, ...]:
+    """`0.7`, or `0.4,0.9`: one rate, or a rate that steps (see `add_rate_args`)."""
+    try:
+        rates = tuple(float(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or comma-separated numbers, got "
+                                         f"{text!r}") from None
+    return rates
+
+
 def add_rate_args(p: argparse.ArgumentParser) -> None:
-    """The arrival rate: absolute, or a fraction of the measured (or simulated) capacity."""
+    """The arrival rate: absolute, or a fraction of the measured (or simulated) capacity.
+    Several comma-separated values make a load that steps: the requests split into that many
+    equal consecutive parts, each arriving at its own rate (workloads.stepped_arrival_times)."""
     rate = p.add_mutually_exclusive_group()
-    rate.add_argument("--request-rate", type=float, default=None, help="req/s; inf = all at once")
-    rate.add_argument("--load", type=float, default=None,
-                      help="arrival rate as a fraction of measured capacity (e.g. 0.7)")
+    rate.add_argument("--request-rate", type=rate_list, default=None, metavar="RATE[,RATE...]",
+                      help="req/s; inf = all at once; A,B: the first half at A, the second at B")
+    rate.add_argument("--load", type=rate_list, default=None, metavar="FRACTION[,FRACTION...]",
+                      help="arrival rate as a fraction of measured capacity (e.g. 0.7); "
+                           "0.4,0.9: the first half of the requests at 0.4, the second at 0.9")
+
+
+def check_rate_args(args: argparse.Namespace) -> None:
+    for flag, rates in (("--request-rate", args.request_rate), ("--load", args.load)):
+        if rates is not None and not all(r > 0 for r in rates):
+            what = "a positive fraction of capacity" if flag == "--load" else "positive (req/s)"
+            raise ValueError(f"{flag} must be {what}, got {','.join(f'{r:g}' for r in rates)}")
+
+
+def request_rates(args: argparse.Namespace, capacity: Callable[[], float],
+                  log: Callable[[str], None] = print) -> tuple[float, ...]:
+    """The arrival rates (one per equal part of the workload): --request-rate, or --load
+    times `capacity()` (measured only then: it runs the workload); neither: all at once."""
+    if args.load is None:
+        return args.request_rate or (math.inf,)
+    cap = capacity()
+    rates = tuple(load * cap for load in args.load)
+    log(f"capacity {cap:.3f} req/s; --load {','.join(f'{x:g}' for x in args.load)} -> "
+        f"{','.join(f'{r:.3f}' for r in rates)} req/s")
+    return rates
+
+
+def rate_json(rates: float | Sequence[float]) -> float | str | list[float | str]:
+    """results.json's spelling of a rate or a load: a number ("inf": all at once), or a list
+    for one that steps."""
+    values: list[float | str] = [r if math.isfinite(r) else "inf"
+                                 for r in ([rates] if isinstance(rates, float | int) else rates)]
+    return values[0] if len(values) == 1 else values
+
+
+def rate_keys(args: argparse.Namespace, rates: float | Sequence[float]) -> dict[str, Any]:
+    """The results.json keys of the arrival process: the rate and, with --load, the load."""
+    return {"request_rate": rate_json(rates),
+            **({"load": rate_json(args.load)} if args.load is not None else {})}
 
 
 def add_engine_shape_args(p: argparse.ArgumentParser) -> None:
@@ -86,7 +135,10 @@ def add_sweep_args(p: argparse.ArgumentParser) -> None:
     """What `bench sweep` and `sim` add to the workload: the configurations and the report."""
     add_workload_args(p, dataset_name="mixed", num_prompts=100)
     add_rate_args(p)
-    p.add_argument("--chunk-sizes", default="none,32,64,128,256,512,1024,2048")
+    p.add_argument("--chunk-sizes", default="none,32,64,128,256,512,1024,2048",
+                   help="budgets to sweep; none: no chunking; auto: the adaptive policy as "
+                        "`serve` runs it without flags (cap: the model's context; target: "
+                        "--target-itl-ms or the default; the engine's own step-time model)")
     p.add_argument("--baseline", choices=NO_CHUNK_SCHEDULERS, default="prefill-first",
                    help="scheduler for the 'none' (no chunking) configuration")
     p.add_argument("--scheduler", choices=CHUNKED_SCHEDULERS, default="decode-first")
@@ -102,14 +154,16 @@ def add_sweep_args(p: argparse.ArgumentParser) -> None:
 
 def check_sweep_args(args: argparse.Namespace) -> None:
     """Fails on bad flags before anything slow (model loading, capacity probes) starts."""
-    parse_chunk_sizes(args.chunk_sizes)
+    sizes = parse_chunk_sizes(args.chunk_sizes)
     parse_goodput(args.goodput)
-    if args.load is not None and not args.load > 0:
-        raise ValueError(f"--load must be a positive fraction of capacity, got {args.load}")
+    check_rate_args(args)
     if args.num_prompts < 1:
         raise ValueError(f"--num-prompts must be at least 1, got {args.num_prompts}")
-    if (args.chunk_policy == "adaptive") != (args.target_itl_ms is not None):
-        raise ValueError("--chunk-policy adaptive and --target-itl-ms go together")
+    # A target is read by adaptive points only: the sweep's caps, or its `auto` entries (which
+    # run the default target without one, as `serve` does).
+    if args.target_itl_ms is not None and args.chunk_policy != "adaptive" and AUTO not in sizes:
+        raise ValueError("--target-itl-ms and --chunk-policy adaptive (or an 'auto' entry in "
+                         "--chunk-sizes) go together")
     if args.target_itl_ms is not None and not args.target_itl_ms > 0:
         raise ValueError(f"--target-itl-ms must be positive, got {args.target_itl_ms}")
 

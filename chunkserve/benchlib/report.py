@@ -19,7 +19,7 @@ import numpy as np  # noqa: E402
 from matplotlib import ticker  # noqa: E402
 
 from chunkserve.benchlib.metrics import parse_goodput, parse_percentiles  # noqa: E402
-from chunkserve.benchlib.sweep import RunResult, SweepPoint, summarize  # noqa: E402
+from chunkserve.benchlib.sweep import AUTO, RunResult, SweepPoint, summarize  # noqa: E402
 from chunkserve.engine.trace import write_trace  # noqa: E402
 
 PLOTS = ("latency_vs_chunk.png", "tpot_cdf.png", "step_timeline.png")
@@ -157,20 +157,47 @@ def plain_log_scale(ax: Any, which: str) -> None:
     axis.set_minor_formatter(ticker.LogFormatter(labelOnlyBase=False, minor_thresholds=(2, 0.4)))
 
 
+def _latency_x(entries: list[dict[str, Any]]) -> np.ndarray:
+    """Each entry's place on the latency plot's x axis: the ladder (chunk sizes and none) in
+    sweep order at 0, 1, ...; `auto` entries left of it at -1, -2, ... A line joins the
+    ladder's points only: auto is not a size between two others."""
+    x = np.empty(len(entries))
+    ladder = autos = 0
+    for i, e in enumerate(entries):
+        if e["chunk_size"] == AUTO:
+            autos += 1
+            x[i] = -autos
+        else:
+            x[i] = ladder
+            ladder += 1
+    return x
+
+
+def _plot_series(ax: Any, x: np.ndarray, entries: list[dict[str, Any]], key: str,
+                 name: str) -> None:
+    y = np.array([e.get(key) or np.nan for e in entries])
+    on_ladder = x >= 0
+    (line,) = ax.plot(x[on_ladder], y[on_ladder], marker="o", label=name)
+    if not on_ladder.all():
+        ax.plot(x[~on_ladder], y[~on_ladder], marker="*", markersize=12, linestyle="none",
+                color=line.get_color())
+
+
 def _plot_latency(out_dir: str, entries: list[dict[str, Any]]) -> str:
-    labels = [_label(e) for e in entries]
-    x = np.arange(len(entries))
+    x = _latency_x(entries)
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     for key, name in (("median_ttft_ms", "TTFT p50"), ("p99_ttft_ms", "TTFT p99")):
-        ax1.plot(x, [e.get(key) or np.nan for e in entries], marker="o", label=name)
+        _plot_series(ax1, x, entries, key, name)
     for key, name in (
         ("median_tpot_ms", "TPOT p50"), ("p99_tpot_ms", "TPOT p99"), ("p99_itl_ms", "ITL p99"),
         ("max_itl_ms", "max token gap"),
     ):
-        ax2.plot(x, [e.get(key) or np.nan for e in entries], marker="o", label=name)
+        _plot_series(ax2, x, entries, key, name)
     for ax, title in ((ax1, "Time to first token"), (ax2, "Time per output token / token gaps")):
-        ax.set_xticks(x, labels)
+        ax.set_xticks(x, [_label(e) for e in entries])
         ax.set_xlabel("chunk size (max_num_batched_tokens); none = no chunking")
+        if (x < 0).any():  # auto (stars) apart from the ladder
+            ax.axvline(-0.5, color="grey", linestyle=":", linewidth=1)
         ax.set_ylabel("ms")
         plain_log_scale(ax, "y")
         ax.set_title(title)
@@ -209,12 +236,13 @@ def _plot_cdf(out_dir: str, runs: Sequence[RunResult]) -> str:
 
 
 def _timeline_runs(runs: Sequence[RunResult]) -> list[RunResult]:
-    """The no-chunk baseline (if any) and the middle chunked configuration."""
-    base = [r for r in runs if r.point.chunk_size is None]
-    chunked = [r for r in runs if r.point.chunk_size is not None]
+    """The no-chunk baseline (if any), the middle chunked configuration and `auto` (if any)."""
+    base = [r for r in runs if r.point.no_chunk]
+    chunked = [r for r in runs if not r.point.no_chunk and not r.point.auto]
     picks = base[:1]
     if chunked:
         picks.append(chunked[len(chunked) // 2])
+    picks += [r for r in runs if r.point.auto][:1]
     return picks or list(runs[:1])
 
 

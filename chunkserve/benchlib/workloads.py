@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -224,6 +225,13 @@ def sample_requests(dataset_name: str, tokenizer: BenchTokenizer, num_prompts: i
     return _synthetic(tokenizer, rng, input_lens, output_lens)
 
 
+def _check_arrivals(request_rate: float, burstiness: float) -> None:
+    if burstiness <= 0:
+        raise ValueError(f"burstiness must be positive, got {burstiness}")
+    if not request_rate > 0:
+        raise ValueError(f"request_rate must be positive, got {request_rate}")
+
+
 def arrival_times(num: int, request_rate: float, burstiness: float, seed: int) -> list[float]:
     """Send offsets in seconds from the start, the first at 0.
 
@@ -231,14 +239,37 @@ def arrival_times(num: int, request_rate: float, burstiness: float, seed: int) -
     burstiness, coefficient of variation 1/sqrt(burstiness) (1 = Poisson, < 1 burstier, > 1
     more regular). An infinite rate sends everything at once.
     """
-    if burstiness <= 0:
-        raise ValueError(f"burstiness must be positive, got {burstiness}")
-    if request_rate <= 0:
-        raise ValueError(f"request_rate must be positive, got {request_rate}")
+    _check_arrivals(request_rate, burstiness)
     if num <= 0:
         return []
     if math.isinf(request_rate):
         return [0.0] * num
     rng = np.random.default_rng(seed)
     gaps = rng.gamma(shape=burstiness, scale=1.0 / (request_rate * burstiness), size=num - 1)
+    return [0.0, *np.cumsum(gaps).tolist()]
+
+
+def stepped_arrival_times(num: int, request_rates: Sequence[float], burstiness: float,
+                          seed: int) -> list[float]:
+    """`arrival_times` whose rate steps: the requests split into len(request_rates)
+    consecutive parts of (nearly) equal size, and the gap before each request is drawn at its
+    part's rate. One rate is exactly `arrival_times` (same draws), so a plain run's arrivals do
+    not change.
+
+    `--load 0.4,0.9` is a load that steps from 40% to 90% of capacity halfway through: how a
+    policy copes when the queue it planned for changes under it.
+    """
+    if not request_rates:
+        raise ValueError("request_rates is empty")
+    if len(request_rates) == 1:
+        return arrival_times(num, request_rates[0], burstiness, seed)
+    for rate in request_rates:
+        _check_arrivals(rate, burstiness)
+    if num <= 0:
+        return []
+    phase = np.arange(num) * len(request_rates) // num  # request i's part
+    rates = np.asarray(request_rates, dtype=float)[phase[1:]]
+    rng = np.random.default_rng(seed)
+    # An infinite rate's scale is 0: that part arrives all at once when it begins.
+    gaps = rng.gamma(shape=burstiness, scale=1.0 / (rates * burstiness))
     return [0.0, *np.cumsum(gaps).tolist()]

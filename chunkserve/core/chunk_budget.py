@@ -15,8 +15,14 @@ scheduler knows before choosing are in it.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from chunkserve.core.sched_output import ScheduledRequest
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -28,6 +34,36 @@ class PlannedStep:
 
 
 StepTimeFn = Callable[[PlannedStep], float]  # seconds
+
+# One measured step: what it ran and how long it took (seconds).
+StepObservation = tuple[Sequence[ScheduledRequest], float]
+
+
+@dataclass(frozen=True)
+class StepModelState:
+    """What a learning step-time model says after seeing a step (the trace and /metrics)."""
+
+    predicted: float  # seconds: its prediction for the step just seen, made before seeing it
+    error: float  # median relative error |predicted - measured| / measured of recent steps
+    coefficients: dict[str, float] | None  # the new fit on the steps that refit, else None
+
+
+@runtime_checkable
+class LearnedStepTime(Protocol):
+    """A step-time model that learns from the steps the engine runs (the engine's side of the
+    seam; sim/online_model.py is the implementation). The engine warm-starts it once, with the
+    model loaded, then shows it every step."""
+
+    def __call__(self, step: PlannedStep) -> float: ...
+
+    def warm_start(self, identity: dict[str, str],
+                   probe: Callable[[], list[StepObservation]]) -> str:
+        """Ready to predict: from a cache keyed by `identity` (machine, model, dtype,
+        quantization, ...) or by running `probe`. Says which, for the log."""
+        ...
+
+    def observe(self, scheduled: Sequence[ScheduledRequest], duration: float) -> StepModelState:
+        ...
 
 
 def one_decode_step(step_time: StepTimeFn) -> float:
@@ -77,3 +113,41 @@ def adaptive_prefill_tokens(
         else:
             hi = mid
     return lo
+
+
+class ChunkPlanner:
+    """The adaptive policy as the scheduler runs it: a step-time model, a target, a floor.
+
+    An explicit target the cheapest step cannot meet is the user's error (check_target). The
+    default target is not: on a machine too slow for it the planner says so once in the log
+    and runs prefill at the floor, `min_tokens` a step. The same warning comes, once, when a
+    decode batch alone grows past the target while serving.
+    """
+
+    def __init__(self, step_time: StepTimeFn, target_s: float, min_tokens: int,
+                 explicit_target: bool) -> None:
+        self.step_time, self.target_s, self.min_tokens = step_time, target_s, min_tokens
+        self._warned = False
+        if explicit_target:
+            check_target(step_time, target_s)
+        elif one_decode_step(step_time) > target_s:
+            self._warn(1, one_decode_step(step_time))
+
+    def prefill_tokens(self, num_decodes: int, decode_context: int, prefill_context: int,
+                       room: int) -> int:
+        """This step's prefill chunk (adaptive_prefill_tokens), warning once at the floor."""
+        chunk = adaptive_prefill_tokens(self.step_time, self.target_s, num_decodes,
+                                        decode_context, prefill_context, self.min_tokens, room)
+        if chunk <= self.min_tokens and not self._warned and num_decodes:
+            decodes_only = self.step_time(PlannedStep(num_decodes, decode_context, 0, 0))
+            if decodes_only > self.target_s:
+                self._warn(num_decodes, decodes_only)
+        return chunk
+
+    def _warn(self, num_decodes: int, predicted: float) -> None:
+        self._warned = True
+        logger.warning(
+            "a decode-only step of %d request(s) is predicted to take %.2f ms, above the "
+            "token-gap target of %.2f ms: prefill runs at the smallest chunk (%d tokens) while "
+            "that lasts. Raise --target-itl-ms to trade token gaps for time to first token.",
+            num_decodes, predicted * 1e3, self.target_s * 1e3, self.min_tokens)

@@ -29,7 +29,7 @@ from collections import deque
 from dataclasses import replace
 
 from chunkserve.config import CacheConfig, SchedulerConfig
-from chunkserve.core.chunk_budget import StepTimeFn, adaptive_prefill_tokens, check_target
+from chunkserve.core.chunk_budget import ChunkPlanner
 from chunkserve.core.kv_cache import KVCacheManager, SwapSpace
 from chunkserve.core.request import Request, RequestStatus
 from chunkserve.core.sched_output import ScheduledRequest, SchedulerOutput
@@ -45,12 +45,12 @@ class Scheduler:
     ) -> None:
         # Defaults are decided once, by SchedulerConfig.resolve(); the scheduler only runs them.
         assert config.is_resolved, "the scheduler takes a resolved config (SchedulerConfig.resolve)"
-        # adaptive: resolve() checked that the config carries a step-time model and a target.
-        self.step_time: StepTimeFn | None = None
+        # adaptive: resolve() checked that the config carries a step-time model.
+        self.planner: ChunkPlanner | None = None
         if config.chunk_policy == "adaptive":
-            assert config.step_time is not None and config.target_itl_ms is not None
-            self.step_time = config.step_time
-            check_target(self.step_time, config.target_itl_ms / 1e3)
+            assert config.step_time is not None
+            self.planner = ChunkPlanner(config.step_time, config.target_s,
+                                        config.min_chunk_tokens, config.target_itl_ms is not None)
         self.config = config
         self.cache_config = cache_config
         self.kv = KVCacheManager(
@@ -198,7 +198,7 @@ class Scheduler:
         """This step's budget: the static cap, or the decodes plus the adaptive chunk."""
         cap = self.config.max_num_batched_tokens
         assert cap is not None  # resolve() filled it
-        if self.step_time is None:
+        if self.planner is None:
             return cap
         decodes = [r for r in self.running if r.status is RequestStatus.RUNNING and r.is_decoding]
         decodes = decodes[:cap]  # more than the cap cannot run this step anyway
@@ -208,11 +208,9 @@ class Scheduler:
             prefill = self._peek_waiting()
         if prefill is None:
             return cap  # decodes only: nothing for the policy to size
-        assert self.config.target_itl_ms is not None
-        chunk = adaptive_prefill_tokens(
-            self.step_time, self.config.target_itl_ms / 1e3, len(decodes),
-            sum(r.num_computed_tokens + 1 for r in decodes), self._prefill_context(prefill),
-            self.config.min_chunk_tokens, cap - len(decodes),
+        chunk = self.planner.prefill_tokens(
+            len(decodes), sum(r.num_computed_tokens + 1 for r in decodes),
+            self._prefill_context(prefill), cap - len(decodes),
         )
         return len(decodes) + chunk
 

@@ -8,10 +8,12 @@ from chunkserve.config import (
     ATTENTION_BACKENDS,
     CHUNK_POLICIES,
     DEFAULT_MIN_CHUNK_TOKENS,
+    DEFAULT_TARGET_ITL_MS,
     DEVICES,
     DTYPES,
     KV_CACHE_DTYPES,
     LOAD_FORMATS,
+    NO_CHUNK_SCHEDULERS,
     PREEMPTION_MODES,
     QUANTIZATIONS,
     SCHEDULERS,
@@ -72,22 +74,40 @@ def add_engine_args(p: argparse.ArgumentParser, model_flag: bool = True) -> None
 
 def add_chunk_policy_args(p: argparse._ActionsContainer) -> None:
     """The adaptive chunk policy's flags, shared by the engine, the server, sim and bench sweep."""
-    p.add_argument("--chunk-policy", choices=CHUNK_POLICIES, default="static",
+    p.add_argument("--chunk-policy", choices=CHUNK_POLICIES, default=None,
                    help="static: every step's budget is --max-num-batched-tokens; adaptive: each "
                         "step's prefill chunk is sized so the predicted step time stays under "
-                        "--target-itl-ms (--max-num-batched-tokens is then the cap)")
+                        "--target-itl-ms (--max-num-batched-tokens is then the cap, default the "
+                        "model's context). Default: adaptive for `serve` unless "
+                        "--max-num-batched-tokens is given or chunking is off; static offline")
     p.add_argument("--target-itl-ms", type=float, default=None,
-                   help="adaptive: predicted step time (= decode token gap) to stay under")
+                   help=f"adaptive: predicted step time (= decode token gap) to stay under "
+                        f"(default {DEFAULT_TARGET_ITL_MS:g})")
     p.add_argument("--min-chunk-tokens", type=int, default=DEFAULT_MIN_CHUNK_TOKENS,
                    help="adaptive: the smallest prefill chunk, so prefill always progresses")
+
+
+def default_chunk_policy(args: argparse.Namespace, serving: bool) -> str:
+    """--chunk-policy when it was not given. A server with no --max-num-batched-tokens runs
+    the adaptive policy on the engine's own step-time model (no knob to turn); an explicit
+    budget keeps the static policy exactly, as in vLLM; offline runs (`generate`, `LLM`) keep
+    the static throughput default. A --target-itl-ms asks for the adaptive policy anywhere."""
+    if args.chunk_policy is not None:
+        return args.chunk_policy
+    if args.target_itl_ms is not None:
+        return "adaptive"
+    chunking = (args.enable_chunked_prefill is not False
+                and args.scheduler not in NO_CHUNK_SCHEDULERS)
+    auto = serving and chunking and args.max_num_batched_tokens is None
+    return "adaptive" if auto else "static"
 
 
 def add_cost_model_arg(p: argparse._ActionsContainer) -> None:
     """Where a real engine's adaptive policy gets its step-time model (the simulator has one)."""
     p.add_argument("--cost-model", default=None,
-                   help="adaptive: a `chunkserve profile` file or a hardware preset (a100-80gb, "
-                        "...); default: the cached profile of this machine "
-                        "($CHUNKSERVE_PROFILE or ~/.cache/chunkserve/profile.json)")
+                   help="adaptive: a fixed step-time model, a `chunkserve profile` file or a "
+                        "hardware preset (a100-80gb, ...); default: the engine's own, probed at "
+                        "start (cached in ~/.cache/chunkserve) and refit while serving")
 
 
 ENGINE_KEYS = (

@@ -6,12 +6,14 @@ per-request metrics and the same step records, so a simulation is this loop, not
 """
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from chunkserve.config import EngineConfig
+from chunkserve.core.chunk_budget import LearnedStepTime, PlannedStep, StepObservation
 from chunkserve.core.request import Request, RequestStatus
 from chunkserve.core.sched_output import ScheduledRequest
 from chunkserve.core.scheduler import Scheduler
@@ -24,6 +26,8 @@ from chunkserve.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
     from chunkserve.model.factory import LoadedModel
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -90,6 +94,9 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler_config, cc, self.num_kv_blocks,
                                    executor.num_swap_blocks)
         self.trace = StepTrace(config.trace_file)
+        # The adaptive policy's model, when it learns from the steps it plans (else None).
+        step_time = config.scheduler_config.step_time
+        self.step_model = step_time if isinstance(step_time, LearnedStepTime) else None
         self._states: dict[str, _RequestState] = {}
         self._step_count = 0
         self._next_id = 0
@@ -118,6 +125,7 @@ class LLMEngine:
         model = loaded.model
         config = config.resolve(loaded.max_model_len, device=model.device.type,
                                 dtype=str(model.dtype).removeprefix("torch."))
+        warm_start_step_model(loaded, config)
         eos = loaded.config.eos_token_ids or None
         processor = Processor(config.max_model_len, loaded.config.vocab_size, loaded.tokenizer,
                               eos)
@@ -214,6 +222,12 @@ class LLMEngine:
             self.scheduler.reset_prefix_cache()
             raise StepError([s.request.request_id for s in out.scheduled]) from e
         record = step_record(self._step_count, start, self.clock() - start, out)
+        if self.step_model is not None:
+            state = self.step_model.observe(out.scheduled, record.duration)
+            if state is not None:
+                record = replace(record, predicted_duration=state.predicted,
+                                 step_model_error=state.error,
+                                 step_model_coefficients=state.coefficients)
         self.trace.add(record)
         self._step_count += 1
         return StepResult(outputs, record, out.scheduled)
@@ -268,3 +282,27 @@ class LLMEngine:
 
     def close(self) -> None:
         self.trace.close()
+
+
+def warm_start_step_model(loaded: LoadedModel, config: EngineConfig) -> None:
+    """Readies a learning step-time model before the scheduler plans with it: from its cache,
+    else by the start-up probe (engine/step_probe.py). Logs the choice the engine made."""
+    sc = config.scheduler_config
+    step_time = sc.step_time
+    if not isinstance(step_time, LearnedStepTime):
+        return
+    from chunkserve.engine.step_probe import probe_identity, run_probe
+
+    t0 = time.monotonic()
+    def probe() -> list[StepObservation]:
+        return run_probe(lambda scratch: LLMEngine.from_config(scratch, loaded=loaded), config,
+                         loaded.config.vocab_size)
+
+    how = step_time.warm_start(probe_identity(loaded, config), probe)
+    decode = step_time(PlannedStep(1, 1, 0, 0))
+    logger.info(
+        "chunk policy: adaptive on the engine's own step-time model (%s, %.1f s); token-gap "
+        "target %.0f ms%s, cap %d tokens, min chunk %d; predicted decode-only step %.1f ms",
+        how, time.monotonic() - t0, sc.target_s * 1e3,
+        "" if sc.target_itl_ms is not None else " (default)", sc.max_num_batched_tokens,
+        sc.min_chunk_tokens, decode * 1e3)

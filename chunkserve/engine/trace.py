@@ -43,6 +43,13 @@ class StepRecord:
     # before" is the chunk's start: earlier chunks plus, on a request's first chunk, its
     # prefix-cache hit (those tokens were never computed in any step).
     prefill_requests: list[list] = field(default_factory=list)
+    # Added by issue 28: the learning step-time model (sim/online_model.py), when the adaptive
+    # policy plans with one. Its prediction of this step (made before it ran), the median
+    # relative error of its recent predictions, and its coefficients (seconds per unit of each
+    # cost-model feature) on the steps where it refit, None on the others.
+    predicted_duration: float | None = None
+    step_model_error: float | None = None
+    step_model_coefficients: dict[str, float] | None = None
 
     @property
     def num_tokens(self) -> int:

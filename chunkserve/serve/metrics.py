@@ -168,6 +168,19 @@ class ServerMetrics:
                                       "Prefill tokens per engine step.", ITERATION_TOKENS_BUCKETS)
         self._step_decode_tokens = h("chunkserve:step_decode_tokens",
                                      "Decode tokens per engine step.", ITERATION_TOKENS_BUCKETS)
+        self._token_budget = self._gauge(
+            "chunkserve:step_token_budget",
+            "The last step's token budget: --max-num-batched-tokens, or the adaptive policy's "
+            "choice (decodes plus the prefill chunk it sized).")
+        # The learning step-time model (adaptive policy without --cost-model): its fit and how
+        # far off it has been. Series appear with the first step that reports them.
+        self._model_error = self._gauge(
+            "chunkserve:step_model_relative_error",
+            "Median |predicted - measured| / measured step time over recent steps.")
+        self._model_coefficient = Gauge(
+            "chunkserve:step_model_coefficient",
+            "The step-time model's fitted seconds per unit of each cost-model term.",
+            ["model_name", "term"], registry=self.registry)
 
     def _make_rejected_metrics(self) -> None:
         self._rejected_family = Counter(
@@ -214,6 +227,12 @@ class ServerMetrics:
         if record.prefix_cache_queries:
             self._prefix_queries.inc(record.prefix_cache_queries)
             self._prefix_hits.inc(record.prefix_cache_hits)
+        if record.token_budget is not None:
+            self._token_budget.set(record.token_budget)
+        if record.step_model_error is not None:
+            self._model_error.set(record.step_model_error)
+        for term, value in (record.step_model_coefficients or {}).items():
+            self._model_coefficient.labels(self.model_name, term).set(value)
 
     def observe_output(self, out: RequestOutput, num_new_tokens: int) -> None:
         """Account one emitted RequestOutput; `num_new_tokens` were added since its last one.

@@ -13,12 +13,14 @@ from chunkserve.benchlib.args import (
     check_fits,
     check_sweep_args,
     points_from_args,
+    rate_keys,
+    request_rates,
     workload_lengths,
 )
 from chunkserve.benchlib.report import sweep_and_report
 from chunkserve.config import FP8_KV_CACHE_DTYPES, KV_CACHE_DTYPES
 from chunkserve.benchlib.sweep import SweepPoint
-from chunkserve.benchlib.workloads import BenchRequest, arrival_times
+from chunkserve.benchlib.workloads import BenchRequest, stepped_arrival_times
 from chunkserve.sim.cost_model import (
     ATTENTION_BACKENDS,
     CostModel,
@@ -89,13 +91,14 @@ def run_sim(args: argparse.Namespace, measure_real_runs: MeasureRealRuns | None 
     check_sweep_args(args)
     if args.validate:
         return run_validation(args, measure_real_runs)
+    # `auto` points are adaptive with the cap the model's context: the simulator's cost model
+    # stands in for the engine's online fit (sim_engine plans with it), as for any adaptive one.
     points = points_from_args(args)
-    chunked = any(p.chunk_size is not None for p in points)
+    chunked = any(not p.no_chunk for p in points)
     bench = sim_workbench(args, args.scheduler if chunked else "decode-first")
-    rate = bench.rate
-    extra = {"request_rate": rate if rate != float("inf") else "inf",
-             "num_prompts": len(bench.requests), "dataset_name": args.dataset_name,
-             "simulated": True, "hardware": args.hardware, "model": args.model}
+    extra = {**rate_keys(args, bench.rate), "num_prompts": len(bench.requests),
+             "dataset_name": args.dataset_name, "simulated": True, "hardware": args.hardware,
+             "model": args.model}
     command = "chunkserve sim " + " ".join(shlex.quote(a) for a in sys.argv[2:])
     title = (f"Simulated chunk-size sweep: {args.model} on {args.hardware}, {args.dataset_name}, "
              f"{len(bench.requests)} requests")
@@ -105,20 +108,17 @@ def run_sim(args: argparse.Namespace, measure_real_runs: MeasureRealRuns | None 
 def sim_workbench(args: argparse.Namespace, scheduler: str = "decode-first",
                   log: Callable[[str], None] = print) -> Workbench:
     """The flags' workload, cost model and arrivals (--load: a fraction of the capacity
-    simulated under `scheduler`), shared by `sim` and `tune`."""
+    simulated under `scheduler`; several: a load that steps), shared by `sim` and `tune`."""
     cost, blocks, max_len = build_cost_model(args)
     requests = workload_lengths(args)
     check_fits(requests, max_len)
     config = SimConfig(max_model_len=max_len, num_kv_blocks=blocks, block_size=args.block_size,
                        max_num_seqs=args.max_num_seqs,
                        enable_prefix_caching=args.enable_prefix_caching)
-    rate = args.request_rate
-    if args.load is not None:
-        rate = args.load * simulated_capacity(scheduler, config, cost, requests)
-        log(f"simulated capacity -> --load {args.load} = {rate:.3f} req/s")
-    rate = float("inf") if rate is None else rate
-    arrivals = arrival_times(len(requests), rate, args.burstiness, args.seed)
-    return Workbench(config, cost, requests, arrivals, rate)
+    rates = request_rates(args, lambda: simulated_capacity(scheduler, config, cost, requests),
+                          log=lambda line: log(f"simulated {line}"))
+    arrivals = stepped_arrival_times(len(requests), rates, args.burstiness, args.seed)
+    return Workbench(config, cost, requests, arrivals, rates[0] if len(rates) == 1 else rates)
 
 
 def simulated_capacity(scheduler: str, config: SimConfig, cost: CostModel,

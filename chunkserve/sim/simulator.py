@@ -58,14 +58,18 @@ class Workbench:
     cost: CostModel
     requests: Sequence[BenchRequest]
     arrivals: Sequence[float]
-    rate: float  # req/s of the arrivals (inf: all at once)
+    # req/s of the arrivals (inf: all at once); several: a load that steps, one rate for each
+    # equal part of the requests (workloads.stepped_arrival_times)
+    rate: float | tuple[float, ...]
 
     def run(self, point: SweepPoint, slowdown: float = 1.0) -> RunResult:
         """One configuration; `slowdown` > 1 runs it on a machine that many times slower than
         the cost model, whose adaptive policy still plans with the model (as a real engine
-        planning with a stale profile would)."""
+        planning with a stale profile would). `auto` plans with the slower machine's model:
+        the engine's online model learns the machine it runs on."""
         cost = self.cost if slowdown == 1.0 else ScaledCostModel(self.cost, slowdown)
-        return simulate(point, self.config, cost, self.requests, self.arrivals, self.cost)
+        planner = cost if point.auto else self.cost
+        return simulate(point, self.config, cost, self.requests, self.arrivals, planner)
 
 
 def simulate(

@@ -34,10 +34,13 @@ from typing import Any
 from chunkserve.benchlib.args import length_requests
 from chunkserve.benchlib.metrics import RequestResult, parse_goodput, parse_percentiles
 from chunkserve.benchlib.sweep import (
+    AUTO,
     RunResult,
     SweepPoint,
     chunk_size_from_json,
+    parse_chunk_sizes,
     summarize,
+    sweep_point,
 )
 from chunkserve.sim.cost_model import CostModel, LinearCostModel, StepShape, step_time
 from chunkserve.sim.fit import Sample, fit_linear, load_profile
@@ -125,7 +128,9 @@ class RealRun:
     def from_json(cls, d: dict[str, Any]) -> RealRun:
         steps = [(StepShape([tuple(p) for p in pre], list(dec), sampled), dur)
                  for dur, pre, dec, sampled in d["steps"]]
-        return cls(SweepPoint(chunk_size_from_json(d["chunk_size"]), d["scheduler"]), d["seed"],
+        # Saved runs are static: "none" is the no-chunk baseline under its own scheduler.
+        point = sweep_point(chunk_size_from_json(d["chunk_size"]), d["scheduler"], d["scheduler"])
+        return cls(point, d["seed"],
                    d["prompt_lens"],
                    d["output_lens"], d["arrivals"], [RequestResult(**r) for r in d["results"]],
                    d["duration"], steps)
@@ -263,9 +268,9 @@ def run_validation(args: argparse.Namespace, measure_real_runs: MeasureRealRuns 
     if not os.path.isfile(args.hardware):
         raise ValueError("--validate compares against this machine: --hardware must be a "
                          "profile file written here by `chunkserve profile`")
-    if args.chunk_policy != "static":
+    if args.chunk_policy == "adaptive" or AUTO in parse_chunk_sizes(args.chunk_sizes):
         raise ValueError("--validate scores static chunk sizes; run it without --chunk-policy "
-                         "adaptive (its saved real runs are static)")
+                         "adaptive and without 'auto' (its saved real runs are static)")
     prof = load_profile(args.hardware)
     cost = LinearCostModel(prof["coefficients"], prof["name"])
     if args.real_runs:

@@ -11,10 +11,17 @@ import os
 import sys
 from typing import Any
 
-from chunkserve.benchlib.args import add_engine_shape_args, add_rate_args, add_workload_args
+from chunkserve.benchlib.args import (
+    add_engine_shape_args,
+    add_rate_args,
+    add_workload_args,
+    check_rate_args,
+    rate_keys,
+)
 from chunkserve.benchlib.sweep import parse_chunk_sizes
 from chunkserve.config import NO_CHUNK_SCHEDULERS
 from chunkserve.sim.cli import add_target_args, sim_workbench
+from chunkserve.tune.auto import auto_dict, evaluate_auto
 from chunkserve.tune.flags import chunkserve_line, vllm_line
 from chunkserve.tune.report import format_text, tune_dict
 from chunkserve.sim.simulator import Workbench
@@ -39,7 +46,8 @@ def add_tune_args(p: argparse.ArgumentParser) -> None:
                    help="what to maximise among configurations that meet the SLOs "
                         "(ttft: the lowest TTFT p99)")
     p.add_argument("--chunk-sizes", default=",".join(map(str, DEFAULT_BUDGETS)),
-                   help="the static budgets to try (the no-chunk baseline is always tried)")
+                   help="the static budgets to try (the no-chunk baseline is always tried, and "
+                        "auto, the default policy, is always compared with the pick)")
     p.add_argument("--baseline", choices=NO_CHUNK_SCHEDULERS, default="prefill-first",
                    help="scheduler of the no-chunk baseline")
     p.add_argument("--speed-margin", type=float, default=None, metavar="X",
@@ -65,11 +73,11 @@ def check_tune_args(args: argparse.Namespace) -> tuple[dict[str, float], SearchS
     if not args.speed_margin >= 1.0:
         raise ValueError(f"--speed-margin must be at least 1 (1: no margin), got "
                          f"{args.speed_margin}")
-    if args.load is not None and not args.load > 0:
-        raise ValueError(f"--load must be a positive fraction of capacity, got {args.load}")
+    check_rate_args(args)
     if args.request_rate is None and args.load is None:
-        args.load = DEFAULT_LOAD  # a rate matters: all-at-once would rank TTFT by queue position
-    return slos, SearchSpace(budgets=tuple(b for b in budgets if b is not None),
+        args.load = (DEFAULT_LOAD,)  # a rate matters: all-at-once would rank TTFT by queue place
+    # 'none' and 'auto' are no rungs of the ladder: the baseline and auto are always run.
+    return slos, SearchSpace(budgets=tuple(b for b in budgets if isinstance(b, int)),
                              baseline=args.baseline)
 
 
@@ -86,9 +94,12 @@ def answer(args: argparse.Namespace, result: TuneResult, bench: Workbench,
                                            args.max_num_seqs), "vllm": vllm, "vllm_note": note}
     d = tune_dict(result, slos, args.objective, explain(pick, below, above, slos, prompt_lens),
                   lines, args.speed_margin)
-    rate = bench.rate if bench.rate != float("inf") else "inf"
+    auto = evaluate_auto(bench, slos, args.speed_margin)
+    d["auto"] = auto_dict(auto, pick, slos, args.objective,
+                          chunkserve_line(auto.point, args.model, args.hardware, args.max_num_seqs))
     d["workload"] = {"dataset_name": args.dataset_name, "num_prompts": len(bench.requests),
-                     "request_rate": rate, "hardware": args.hardware, "model": args.model}
+                     **rate_keys(args, bench.rate), "hardware": args.hardware,
+                     "model": args.model}
     return d, verify_points(pick, below, above, result.ranked)
 
 

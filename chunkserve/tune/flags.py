@@ -20,6 +20,11 @@ HF_IDS = {
 
 def chunkserve_line(point: SweepPoint, model: str, cost_model: str, max_num_seqs: int) -> str:
     flags = [f"chunkserve serve {model}"]
+    if point.auto:  # the default: no chunking flag (--target-itl-ms for another target)
+        if point.target_itl_ms is not None:
+            flags.append(f"--target-itl-ms {point.target_itl_ms:g}")
+        flags.append(f"--max-num-seqs {max_num_seqs}")
+        return " ".join(flags)
     if point.chunk_size is None:
         flags.append(f"--no-enable-chunked-prefill --scheduler {point.scheduler}")
     else:
@@ -39,7 +44,7 @@ def vllm_line(point: SweepPoint, budget: int | None, model: str, max_model_len: 
     """(the line, a note when vLLM cannot run the pick as it is)."""
     flags = [f"vllm serve {HF_IDS.get(model, model)}"]
     note = None
-    if point.chunk_size is None:
+    if point.no_chunk:
         flags.append(f"--no-enable-chunked-prefill --max-num-batched-tokens {max_model_len}")
     else:
         flags.append(f"--enable-chunked-prefill --max-num-batched-tokens {budget}")
@@ -47,7 +52,7 @@ def vllm_line(point: SweepPoint, budget: int | None, model: str, max_model_len: 
         flags.append(f"--long-prefill-token-threshold {point.long_prefill_token_threshold}")
     flags.append(f"--max-num-seqs {max_num_seqs}")
     k = kind(point)
-    if k == "adaptive":
+    if k in ("adaptive", "auto"):
         note = (f"vLLM has no adaptive chunk policy: {budget} is the median budget it chose per "
                 "step")
     elif point.scheduler == "decode-first":

@@ -10,6 +10,10 @@ RUNNERS_UP = 5
 METRIC_KEYS = ("median_ttft_ms", "p99_ttft_ms", "p99_tpot_ms", "p99_itl_ms", "max_itl_ms",
                "output_throughput", "request_throughput", "request_goodput", "num_preemptions",
                "mean_tokens_per_step")
+# How `auto` compares with the pick (tune/auto.py): (key, name, unit, higher is better)
+AUTO_COMPARED = (("p99_ttft_ms", "TTFT p99", "ms", False), ("p99_itl_ms", "ITL p99", "ms", False),
+                 ("max_itl_ms", "max gap", "ms", False),
+                 ("request_goodput", "goodput", "req/s", True))
 
 
 def candidate(e: Evaluated, slos: dict[str, float], objective: str) -> dict[str, Any]:
@@ -75,4 +79,34 @@ def format_text(d: dict[str, Any]) -> str:
     lines += [f"  {c['config']}{'' if c['meets_slos'] else ' (misses an SLO)'}: {_metrics(c)}"
               for c in d["runners_up"]]
     lines += [f"skipped: {s}" for s in d["skipped"]]
-    return "\n".join(lines)
+    return "\n".join(lines + _auto_lines(d.get("auto"), d["objective"]))
+
+
+def _number(v: float, unit: str) -> str:
+    return f"{v:.2f}" if unit == "req/s" else f"{v:,.0f}" if v >= 100 else f"{v:.1f}"
+
+
+def _versus_cell(name: str, unit: str, higher: bool, m: dict[str, Any]) -> str:
+    if m["auto"] is None or m["pick"] is None:
+        return f"{name} –"
+    change = m["change"]
+    if change is None or abs(change) < 0.01:
+        how = "same"
+    else:
+        how = f"{change:+.0%}, {'better' if (change > 0) == higher else 'worse'}"
+    return f"{name} {_number(m['auto'], unit)} vs {_number(m['pick'], unit)} {unit} ({how})"
+
+
+def _auto_lines(a: dict[str, Any] | None, objective: str) -> list[str]:
+    """auto (what `serve` runs without a chunking flag) beside the pick."""
+    if a is None:
+        return []
+    slos = (f"{'meets every SLO' if a['meets_slos'] else 'misses an SLO'} "
+            f"(the pick {'meets' if a['pick_meets_slos'] else 'misses'} them)")
+    obj = "" if a["objective_vs_pick"] is None else \
+        f"; {objective} {a['objective_vs_pick']:+.1%} vs the pick"
+    cells = [_versus_cell(name, unit, higher, a["vs_pick"][key])
+             for key, name, unit, higher in AUTO_COMPARED]
+    return ["", "auto, the default (no chunking flag), against the pick:",
+            f"  {a['config']}: {slos}{obj}", f"  predicted: {_metrics(a)}",
+            f"  vs the pick: {'; '.join(cells)}", f"  {a['command']}"]

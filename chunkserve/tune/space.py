@@ -69,12 +69,15 @@ def adaptive_targets(best: int, itl_p99_ms: dict[int, float], itl_slo_ms: float 
     return sorted({round(t, 1) for t in targets})
 
 
-SIMPLICITY = {"static": 0, "no-chunk": 1, "vllm-v1": 2, "threshold": 3, "adaptive": 4}
+# `auto` is compared with the pick, never ranked (tune/auto.py); its rank here is for order only.
+SIMPLICITY = {"static": 0, "no-chunk": 1, "vllm-v1": 2, "threshold": 3, "adaptive": 4, "auto": 5}
 
 
 def kind(point: SweepPoint) -> str:
     """The configuration's family, as the report names it."""
-    if point.chunk_size is None:
+    if point.auto:
+        return "auto"
+    if point.no_chunk:
         return "no-chunk"
     if point.adaptive:
         return "adaptive"
@@ -85,6 +88,10 @@ def kind(point: SweepPoint) -> str:
 
 def describe(point: SweepPoint) -> str:
     k = kind(point)
+    if k == "auto":
+        return (f"auto (adaptive, target {point.target_ms:g} ms"
+                f"{'' if point.target_itl_ms is not None else ' by default'}, cap = the "
+                "model's context)")
     if k == "no-chunk":
         return f"no chunking ({point.scheduler})"
     if k == "adaptive":
