@@ -61,21 +61,27 @@ def nonnegative_lstsq(X: np.ndarray, y: np.ndarray, w: np.ndarray) -> np.ndarray
 
 
 def robust_lstsq(X: np.ndarray, y: np.ndarray, w: np.ndarray, iterations: int = 4,
-                 huber_k: float = 1.5) -> np.ndarray:
+                 huber_k: float = 1.5, robust_rows: np.ndarray | None = None) -> np.ndarray:
     """`nonnegative_lstsq` made resistant to outliers: iteratively reweighted with Huber's
     weights on the relative residuals, scaled by their median absolute deviation.
 
     A step slowed 3x by a noisy neighbour then counts as a few typical steps instead of
     pulling every coefficient up; a shift that most recent steps share is not an outlier and
     moves the fit, as it should.
+
+    `robust_rows` (a mask; default all) says which rows may be down-weighted: anchors that must
+    keep their weight (the online model's probe steps, which alone fix terms live steps leave
+    free) would otherwise look like outliers beside hundreds of live steps and be dropped.
     """
+    mask = np.ones(len(y), bool) if robust_rows is None else robust_rows
     coef = nonnegative_lstsq(X, y, w)
-    for _ in range(iterations):
+    for _ in range(iterations if mask.any() else 0):
         rel = (X @ coef - y) / y
-        scale = 1.4826 * float(np.median(np.abs(rel - np.median(rel))))
+        scale = 1.4826 * float(np.median(np.abs(rel[mask] - np.median(rel[mask]))))
         if scale <= 1e-9:
             break
         huber = np.minimum(1.0, huber_k * scale / np.maximum(np.abs(rel), 1e-12))
+        huber[~mask] = 1.0
         coef = nonnegative_lstsq(X, y, w * np.sqrt(huber))  # w scales rows, not squares
     return coef
 
