@@ -22,6 +22,11 @@ DEFAULT_MIN_CHUNK_TOKENS = 32
 # "No knob to turn", says how it was chosen). Below the machine's decode-only step it degrades
 # to the smallest chunk with a warning, where an explicit target too low is an error.
 DEFAULT_TARGET_ITL_MS = 250.0
+
+
+def target_itl_ms_or_default(target_itl_ms: float | None) -> float:
+    """The adaptive policy's token-gap target in ms: the one given, else the default."""
+    return DEFAULT_TARGET_ITL_MS if target_itl_ms is None else target_itl_ms
 DTYPES = ("auto", "float32", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 LOAD_FORMATS = ("auto", "dummy")  # dummy: random weights from the model's config (vLLM's name)
@@ -128,8 +133,7 @@ class SchedulerConfig:
     @property
     def target_s(self) -> float:
         """adaptive: the token-gap target in seconds, the default when none was given."""
-        target = DEFAULT_TARGET_ITL_MS if self.target_itl_ms is None else self.target_itl_ms
-        return target / 1e3
+        return target_itl_ms_or_default(self.target_itl_ms) / 1e3
 
     @property
     def is_resolved(self) -> bool:

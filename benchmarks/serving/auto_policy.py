@@ -10,6 +10,7 @@ static budget that met the target, and its token gaps with the 2048 default's.
 
     .venv/bin/python benchmarks/serving/auto_policy.py --out docs/results/auto-policy
     .venv/bin/python benchmarks/serving/auto_policy.py --out /tmp/ap --sim-only   # seconds
+    .venv/bin/python benchmarks/serving/auto_policy.py --out DIR --summarize-only  # no runs
 """
 from __future__ import annotations
 
@@ -50,6 +51,13 @@ def measure_capacity(common: list[str], out: str) -> float:
     return float(match.group(1))
 
 
+def _versus(auto: dict, rival: dict | None) -> str:
+    if rival is None:
+        return "none meets it"
+    return (f"{rival['chunk_size']}: {rival['p99_ttft_ms']:.0f} "
+            f"({auto['p99_ttft_ms'] / rival['p99_ttft_ms']:.2f}x)")
+
+
 def summarize(folder: str, target_ms: float) -> str:
     with open(os.path.join(folder, "results.json")) as f:
         runs = json.load(f)
@@ -57,16 +65,67 @@ def summarize(folder: str, target_ms: float) -> str:
     auto = by_size["auto"]
     meeting = [r for k, r in by_size.items() if k != "auto" and r["p99_itl_ms"] <= target_ms]
     best = min(meeting, key=lambda r: r["p99_ttft_ms"]) if meeting else None
+    # No chunking (and 2048, where long prompts are rare) can meet a p99 target while their
+    # worst gaps run to seconds: the best *chunked* budget that meets it is the fairer rival.
+    chunked = [r for r in meeting if r["chunk_size"] != "none"]
+    rival = min(chunked, key=lambda r: r["p99_ttft_ms"]) if chunked else None
     default = by_size.get("2048")
     cells = [
         os.path.basename(folder),
         f"{auto['p99_itl_ms']:.0f}", "yes" if auto["p99_itl_ms"] <= target_ms else "**no**",
         f"{auto['max_itl_ms']:.0f}", f"{auto['p99_ttft_ms']:.0f}",
-        (f"{best['chunk_size']}: {best['p99_ttft_ms']:.0f} "
-         f"({auto['p99_ttft_ms'] / best['p99_ttft_ms']:.2f}x)") if best else "none meets it",
+        _versus(auto, best), _versus(auto, rival),
         (f"{default['p99_itl_ms']:.0f} / {default['max_itl_ms']:.0f}" if default else "–"),
     ]
     return "| " + " | ".join(cells) + " |"
+
+
+def cpu_runs(args: argparse.Namespace, common: list[str], loads: list[float]) -> list[str]:
+    """The real sweeps: each load, then the load that steps, all from one capacity."""
+    capacity = args.capacity or measure_capacity(common[:4], args.out)
+    print(f"capacity {capacity:.3f} req/s")
+    step = [float(x) for x in args.step.split(",")]
+    rates = [(f"cpu-load-{x:g}", f"{x * capacity:.4f}") for x in loads]
+    rates.append((f"cpu-load-{step[0]:g}-to-{step[1]:g}",
+                  ",".join(f"{x * capacity:.4f}" for x in step)))
+    folders = []
+    for name, rate in rates:
+        folder = os.path.join(args.out, name)
+        if not args.summarize_only:
+            run([*CHUNKSERVE, "bench", "sweep", *common, "--chunk-sizes", LADDER,
+                 "--request-rate", rate, "--out", folder])
+        folders.append(folder)
+    return folders
+
+
+def sim_runs(args: argparse.Namespace, common: list[str], loads: list[float]) -> list[str]:
+    """The same on the simulator's A100 / Llama-3-8B preset (its own simulated capacity)."""
+    sim = ["--hardware", "a100-80gb", "--model", "llama-3-8b", "--dataset-name", "mixed",
+           "--num-prompts", "500", "--chunk-sizes", LADDER, *common[4:]]
+    runs = [(f"sim-a100-llama3-8b-load-{x:g}", str(x)) for x in loads]
+    runs.append(("sim-a100-llama3-8b-load-step", args.step))
+    folders = []
+    for name, load in runs:
+        folder = os.path.join(args.out, name)
+        if not args.summarize_only:
+            run([*CHUNKSERVE, "sim", *sim, "--load", load, "--out", folder])
+        folders.append(folder)
+    return folders
+
+
+def write_summary(out: str, folders: list[str], target: float) -> None:
+    lines = [
+        f"# auto vs the static ladder (target {target:g} ms)", "",
+        f"Host: {cpu_model()}. Command: `{' '.join(sys.argv)}`", "",
+        "| run | auto ITL p99 ms | meets target | auto max gap ms | auto TTFT p99 ms | "
+        "best static meeting the target: TTFT p99 ms (auto / it) | best chunked static "
+        "meeting it | 2048: ITL p99 / max gap ms |",
+        "|---|---|---|---|---|---|---|---|",
+        *[summarize(f, target) for f in folders],
+    ]
+    with open(os.path.join(out, "summary.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
 
 
 def main() -> int:
@@ -76,6 +135,8 @@ def main() -> int:
     p.add_argument("--loads", default="0.5,0.7,0.9")
     p.add_argument("--step", default="0.4,0.9", help="the stepped run's two loads")
     p.add_argument("--sim-only", action="store_true")
+    p.add_argument("--summarize-only", action="store_true",
+                   help="only rewrite summary.md from the folders already in --out")
     p.add_argument("--capacity", type=float, default=None, help="skip measuring it (req/s)")
     p.add_argument("--target-itl-ms", type=float, default=None,
                    help=f"auto's target (default: the engine's, {DEFAULT_TARGET_ITL_MS:g})")
@@ -87,39 +148,11 @@ def main() -> int:
     common = ["--dataset-name", "mixed", "--num-prompts", str(args.num_prompts)]
     if args.target_itl_ms is not None:
         common += ["--target-itl-ms", f"{target:g}"]
-    folders: list[str] = []
-    if not args.sim_only:
-        capacity = args.capacity or measure_capacity(common[:4], args.out)
-        print(f"capacity {capacity:.3f} req/s")
-        rates = [(f"cpu-load-{x:g}", f"{x * capacity:.4f}") for x in loads]
-        step = [float(x) for x in args.step.split(",")]
-        rates.append((f"cpu-load-{step[0]:g}-to-{step[1]:g}",
-                      ",".join(f"{x * capacity:.4f}" for x in step)))
-        for name, rate in rates:
-            folder = os.path.join(args.out, name)
-            run([*CHUNKSERVE, "bench", "sweep", *common, "--chunk-sizes", LADDER,
-                 "--request-rate", rate, "--out", folder])
-            folders.append(folder)
-    sim = ["--hardware", "a100-80gb", "--model", "llama-3-8b", "--dataset-name", "mixed",
-           "--num-prompts", "500", "--chunk-sizes", LADDER, *common[4:]]
-    for x in loads:
-        folder = os.path.join(args.out, f"sim-a100-llama3-8b-load-{x:g}")
-        run([*CHUNKSERVE, "sim", *sim, "--load", str(x), "--out", folder])
-        folders.append(folder)
-    folder = os.path.join(args.out, "sim-a100-llama3-8b-load-step")
-    run([*CHUNKSERVE, "sim", *sim, "--load", args.step, "--out", folder])
-    folders.append(folder)
-    lines = [
-        f"# auto vs the static ladder (target {target:g} ms)", "",
-        f"Host: {cpu_model()}. Command: `{' '.join(sys.argv)}`", "",
-        "| run | auto ITL p99 ms | meets target | auto max gap ms | auto TTFT p99 ms | "
-        "best static meeting the target: TTFT p99 ms (auto / it) | 2048: ITL p99 / max gap ms |",
-        "|---|---|---|---|---|---|---|",
-        *[summarize(f, target) for f in folders],
-    ]
-    with open(os.path.join(args.out, "summary.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    if args.summarize_only:
+        args.capacity = args.capacity or 1.0  # no run: the rates are not used
+    folders = [] if args.sim_only else cpu_runs(args, common, loads)
+    folders += sim_runs(args, common, loads)
+    write_summary(args.out, folders, target)
     return 0
 
 

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from chunkserve.benchlib.metrics import RequestResult, compute_metrics
 from chunkserve.benchlib.step_stats import step_metrics
-from chunkserve.config import DEFAULT_MIN_CHUNK_TOKENS, DEFAULT_TARGET_ITL_MS
+from chunkserve.config import DEFAULT_MIN_CHUNK_TOKENS, target_itl_ms_or_default
 from chunkserve.engine.trace import StepRecord
 
 ChunkSize = int | None  # a step budget, or None for the no-chunk baseline ("none" in flags/JSON)
@@ -24,7 +24,7 @@ class SweepPoint:
     chunk_size: ChunkSize
     scheduler: str
     chunk_policy: str = "static"
-    target_itl_ms: float | None = None  # adaptive only; None: DEFAULT_TARGET_ITL_MS
+    target_itl_ms: float | None = None  # adaptive only; None: the default
     min_chunk_tokens: int = DEFAULT_MIN_CHUNK_TOKENS  # adaptive only
     long_prefill_token_threshold: int = 0  # 0: off
 
@@ -56,7 +56,7 @@ class SweepPoint:
         """The token-gap target an adaptive point plans toward, the default one included."""
         if not self.adaptive:
             return None
-        return DEFAULT_TARGET_ITL_MS if self.target_itl_ms is None else self.target_itl_ms
+        return target_itl_ms_or_default(self.target_itl_ms)
 
     def policy_keys(self) -> dict[str, Any]:
         """results.json keys for what differs from a plain static point (none for one, so
