@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 
 from stress.report import PhaseResult
+from stress.sse import is_error_event
 from stress.target import Target
 
 
@@ -60,7 +61,7 @@ def _judge(s: _Stream, result: PhaseResult) -> None:
             result.fail(f"{label}: {s.status} {s.events[0][:200]}")
         return
     last = s.events[-1] if s.events else ""
-    errors = [e for e in s.events if '"error"' in e]
+    errors = [e for e in s.events if is_error_event(e)]
     if last != "data: [DONE]":
         result.fail(f"{label}: did not end with [DONE] (last {last[:80]!r})")
     elif s.kind == "long" and (len(errors) != 1 or s.events[-2] != errors[0]):

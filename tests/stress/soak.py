@@ -11,6 +11,7 @@ from typing import Any
 import httpx
 
 from stress.report import PhaseResult
+from stress.sse import is_error_event
 from stress.target import Target
 
 RSS_SAMPLE_S = 10.0
@@ -49,7 +50,7 @@ async def _send(client: httpx.AsyncClient, path: str, body: dict[str, Any],
             async with client.stream("POST", path, json=body) as r:
                 lines = [line async for line in r.aiter_lines() if line.startswith("data:")]
                 status, ok = r.status_code, bool(lines) and lines[-1] == "data: [DONE]" \
-                    and not any('"error"' in line for line in lines)
+                    and not any(is_error_event(line) for line in lines)
         else:
             r = await client.post(path, json=body)
             status, ok = r.status_code, r.status_code == 200 and "choices" in r.json()
