@@ -55,14 +55,34 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
         rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128})),
 }
 
+# Architectures whose sliding window caps the context (for now) below the 128 tokens the tests
+# above run, tested in tests/test_gemma3.py. Window 32; local and global layers; the attention
+# scale's scalar differs from head_dim so that a scale left at head_dim^-0.5 shows.
+WINDOWED: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(  # head_dim 32 = hidden / heads
+        hidden_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+        num_hidden_layers=3, sliding_window=32, query_pre_attn_scalar=24,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        tie_word_embeddings=True, pad_token_id=0)),
+}
+WINDOWED_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "gemma3-256": ("gemma3", dict(head_dim=256)),  # the real models' head size
+    # Gemma 3 4B's linear scaling of the global layers' RoPE, and logit softcapping.
+    "gemma3-linear": ("gemma3", dict(
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0,
+                                            "rope_theta": 1e6},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
+        final_logit_softcapping=3.0)),
+}
+
 
 def hf_model(name: str, seed: int = 0, **overrides: Any) -> Any:
     """A random transformers model of architecture `name` (an ARCHS or VARIANTS key), config
     fields changed by `overrides`."""
     import transformers
 
-    base, changes = VARIANTS.get(name, (name, {}))
-    config_cls, model_cls, fields = ARCHS[base]
+    base, changes = {**VARIANTS, **WINDOWED_VARIANTS}.get(name, (name, {}))
+    config_cls, model_cls, fields = {**ARCHS, **WINDOWED}[base]
     config = getattr(transformers, config_cls)(**{**COMMON, **fields, **changes, **overrides})
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).float().eval()

@@ -221,7 +221,8 @@ def test_unknown_architecture_names_the_supported_ones(folders, tmp_path):
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"architecture 'GPT2LMHeadModel' is not supported "
                                          r"\(supported: LlamaForCausalLM, MistralForCausalLM, "
-                                         r"Qwen2ForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM\)"):
+                                         r"Qwen2ForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM, "
+                                         r"Gemma3ForCausalLM\)"):
         load_model(str(folder), "float32")
 
 

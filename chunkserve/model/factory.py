@@ -106,8 +106,11 @@ def load_model(
     if max_model_len is None:
         max_model_len = limit
     elif max_model_len > limit:
+        why = ("" if config.sliding_window != limit else
+               ", capped at its sliding attention window until windowed KV caching exists")
         raise ValueError(
-            f"max_model_len ({max_model_len}) is larger than the model's context length ({limit})."
+            f"max_model_len ({max_model_len}) is larger than the model's context length "
+            f"({limit}{why})."
         )
     attention = make_attention_backend(attention_backend, config.num_attention_heads,
                                        config.num_key_value_heads, config.head_dim, dev)

@@ -35,6 +35,9 @@ class AttentionBackend(Protocol):
     supports_cuda_graphs: bool
     # Whether it reads and writes KV caches in the FP8_DTYPES (the model's dtype it always does).
     supports_fp8_kv_cache: bool
+    # The softmax scale, head_dim^-0.5 unless the model sets its own (Gemma 3:
+    # query_pre_attn_scalar^-0.5); read by every forward(), so a model may set it once built.
+    scale: float
 
     def build_metadata(self, batch: BatchTensors) -> Any:
         """Once per step: whatever forward() needs beyond the batch tensors."""

@@ -31,6 +31,13 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate) * up
 
 
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """GeGLU with the tanh approximation of GELU (Gemma's `gelu_pytorch_tanh`). PyTorch's ops on
+    every device: no C kernel yet, so the Llama family's SiLU path is untouched."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.gelu(gate, approximate="tanh") * up
+
+
 # Qwen3's per-head RMSNorm weights of q and k (float32, [head_dim] each), or None.
 QKNorm = tuple[torch.Tensor, torch.Tensor] | None
 

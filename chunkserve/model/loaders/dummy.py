@@ -7,6 +7,7 @@ import torch
 
 from chunkserve.model.models.config import DecoderConfig
 from chunkserve.model.models.checkpoint import expected_shapes
+from chunkserve.model.models.registry import architecture
 
 # HF's initializer_range for Llama. With unit RMSNorm weights each layer adds O(1) to the
 # float32 residual stream, so 80 layers stay far from bf16's range, and the logits (std ~1 for
@@ -17,18 +18,20 @@ INIT_STD = 0.02
 def dummy_weights(
     config: DecoderConfig, seed: int, device: torch.device, dtype: torch.dtype
 ) -> dict[str, torch.Tensor]:
-    """Every tensor `expected_shapes(config)` lists: norms 1, the rest normal(0, INIT_STD).
+    """Every tensor `expected_shapes(config)` lists: unit norms, the rest normal(0, INIT_STD).
 
     Each tensor is drawn where it will live, in its final dtype, one at a time: an 8B model in
     bf16 never passes through 32 GB of host float32, and the peak is the model itself. The same
     seed gives the same weights on the same kind of device (CPU and CUDA streams differ).
     """
     generator = torch.Generator(device=device).manual_seed(seed)
+    # Unit norms as the model applies them: Gemma's scale by 1 + w, so its stored w is 0.
+    unit_norm = 1.0 - architecture(config.architecture).norm_weight_offset
     weights: dict[str, torch.Tensor] = {}
     for name, shape in expected_shapes(config).items():
         tensor = torch.empty(shape, device=device, dtype=dtype)
         if name.endswith("norm.weight"):
-            tensor.fill_(1.0)
+            tensor.fill_(unit_norm)
         else:
             tensor.normal_(0.0, INIT_STD, generator=generator)
         weights[name] = tensor

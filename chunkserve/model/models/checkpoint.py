@@ -38,6 +38,7 @@ def _layer_shapes(config: DecoderConfig) -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {
         "input_layernorm.weight": (config.hidden_size,),
         "post_attention_layernorm.weight": (config.hidden_size,),
+        **{f"{norm}.weight": (config.hidden_size,) for norm in arch.extra_layer_norms},
     }
     for name, shape in on_disk.items():
         shapes[f"{name}.weight"] = shape

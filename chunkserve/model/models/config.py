@@ -3,12 +3,15 @@ architecture: what differs *between* architectures is declared by their classes 
 its variants), not here."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 from chunkserve.model.layers.rope_scaling import check_rope_scaling
 
 DEFAULT_ARCHITECTURE = "LlamaForCausalLM"
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -33,6 +36,17 @@ class DecoderConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     # The HF class name of the architecture (models/registry.py maps it to ours).
     architecture: str = DEFAULT_ARCHITECTURE
+    # The attention window that capped the context (limit_to_window), or None.
+    sliding_window: int | None = None
+    # Fields only some architectures read (their `configure` sets them; HF's names):
+    # each layer's attention, "full_attention" or "sliding_attention" (Gemma 3); None: all full.
+    layer_types: list[str] | None = None
+    # RoPE base of the sliding-window layers (Gemma 3's local layers); None: rope_theta.
+    rope_local_base_freq: float | None = None
+    # Softmax scale query_pre_attn_scalar^-0.5 instead of head_dim^-0.5 (Gemma 3).
+    query_pre_attn_scalar: float | None = None
+    # logits = cap * tanh(logits / cap) (Gemma 2/3 configs may set it).
+    final_logit_softcapping: float | None = None
 
     def __post_init__(self) -> None:
         if self.head_dim is None:
@@ -58,7 +72,11 @@ class DecoderConfig:
         attention is full attention, so capping the context keeps the model exact instead of
         silently attending too far back."""
         if window is not None and window < self.max_position_embeddings:
+            logger.info("%s: context capped at the sliding window, %d tokens (from %d): up to "
+                        "the window, full attention is exact.", self.architecture, window,
+                        self.max_position_embeddings)
             self.max_position_embeddings = int(window)
+            self.sliding_window = int(window)
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any], architecture: str = DEFAULT_ARCHITECTURE

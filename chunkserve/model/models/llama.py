@@ -5,8 +5,9 @@ Every linear layer runs once over all tokens of the step — prefill chunks and 
 which is what makes mixing them in one batch pay. Only attention looks at request boundaries.
 q/k/v and gate/up are fused into single matrices: fewer, larger GEMMs are faster on a CPU.
 
-The other architectures (mistral.py, qwen2.py, qwen3.py, phi3.py) are this decoder with some of
-the class attributes under "What an architecture declares" overridden. The loaders, the dummy
+The other architectures (mistral.py, qwen2.py, qwen3.py, phi3.py, gemma3.py) are this decoder
+with some of the class attributes under "What an architecture declares" overridden (Gemma 3,
+whose layer is ordered differently, also its forward). The loaders, the dummy
 weights and the checkpoint checks read those declarations from the class, so nothing downstream
 asks which architecture it has.
 """
@@ -34,6 +35,15 @@ def _take(w: Weights, name: str, dtype: torch.dtype, device: torch.device) -> to
     return w.pop(name).to(device=device, dtype=dtype)
 
 
+def _take_norm(arch: type[LlamaForCausalLM], w: Weights, name: str,
+               device: torch.device) -> torch.Tensor:
+    """An RMSNorm weight in float32 (RMSNorm runs in float32 whatever the compute dtype), with
+    the architecture's offset folded in at load: Gemma's x·(1+w) becomes x·w' for every norm op
+    (PyTorch's and the C ones), so no path has to know, and Llama's weights are untouched."""
+    weight = _take(w, name, torch.float32, device)
+    return weight + arch.norm_weight_offset if arch.norm_weight_offset else weight
+
+
 class LlamaLayer:
     def __init__(self, arch: type[LlamaForCausalLM], w: Weights, i: int, dtype: torch.dtype,
                  device: torch.device, quantization: str | None = None) -> None:
@@ -49,9 +59,11 @@ class LlamaLayer:
                 bias = torch.cat([_take(w, f"{p}{n}.bias", torch.float32, device) for n in parts])
             return make_linear(weight, quantization, dtype, bias)
 
-        # Norm weights stay float32 whatever the compute dtype: RMSNorm runs in float32.
-        self.input_norm = _take(w, p + "input_layernorm.weight", torch.float32, device)
-        self.post_norm = _take(w, p + "post_attention_layernorm.weight", torch.float32, device)
+        self.input_norm = _take_norm(arch, w, p + "input_layernorm.weight", device)
+        self.post_norm = _take_norm(arch, w, p + "post_attention_layernorm.weight", device)
+        # The norms an architecture adds (Gemma 3: around the MLP), by checkpoint name.
+        self.extra_norms = {name: _take_norm(arch, w, f"{p}{name}.weight", device)
+                            for name in arch.extra_layer_norms}
         self.qkv = linear("self_attn.qkv_proj")
         self.o = linear("self_attn.o_proj")
         self.gate_up = linear("mlp.gate_up_proj")
@@ -59,8 +71,8 @@ class LlamaLayer:
         # Per-head RMSNorm weights of q and k (Qwen3), applied before RoPE.
         self.qk_norm: tuple[torch.Tensor, torch.Tensor] | None = None
         if arch.qk_norm:
-            self.qk_norm = (_take(w, p + "self_attn.q_norm.weight", torch.float32, device),
-                            _take(w, p + "self_attn.k_norm.weight", torch.float32, device))
+            self.qk_norm = (_take_norm(arch, w, p + "self_attn.q_norm.weight", device),
+                            _take_norm(arch, w, p + "self_attn.k_norm.weight", device))
 
 
 class LlamaForCausalLM:
@@ -87,6 +99,18 @@ class LlamaForCausalLM:
     # GGUF tensor names (blk.N.<name>) that mean another HF tensor in this architecture than
     # loaders/gguf.py's common table says (Phi-3 stores gate and up fused under ffn_up).
     gguf_renames: ClassVar[dict[str, str]] = {}
+    # RMSNorm scales by (offset + w): Gemma stores its norm weights around 0 and applies 1 + w.
+    norm_weight_offset: ClassVar[float] = 0.0
+    # Per-layer RMSNorms beyond input_layernorm and post_attention_layernorm (checkpoint names
+    # within a layer; Gemma 3: pre_ and post_feedforward_layernorm).
+    extra_layer_norms: ClassVar[tuple[str, ...]] = ()
+    # The MLP's activation, as config.json names it (hidden_act, or Gemma's hidden_activation).
+    hidden_act: ClassVar[str] = "silu"
+
+    @classmethod
+    def configure(cls, config: DecoderConfig, hf_config: dict[str, Any]) -> None:
+        """Reads what only this architecture has from a config.json into `config` (after the
+        common fields, before rope scaling is checked), refusing what it does not build."""
 
     @classmethod
     def sliding_window(cls, hf_config: dict[str, Any]) -> int | None:
@@ -154,7 +178,7 @@ class LlamaForCausalLM:
         # already is 4-bit: logits are where a coarser weight shows most.
         head_quant = "auto" if quantization == "int4" else quantization
         self.lm_head = make_linear(head, head_quant, dtype)
-        self.norm = _take(weights, "model.norm.weight", torch.float32, dev)
+        self.norm = _take_norm(type(self), weights, "model.norm.weight", dev)
         self.layers = [
             LlamaLayer(type(self), weights, i, dtype, dev, quantization)
             for i in range(self.cfg.num_hidden_layers)

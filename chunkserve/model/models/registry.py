@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from chunkserve.model.models.config import DecoderConfig
+from chunkserve.model.models.gemma3 import Gemma3ForCausalLM
 from chunkserve.model.models.llama import LlamaForCausalLM
 from chunkserve.model.models.mistral import MistralForCausalLM
 from chunkserve.model.models.phi3 import Phi3ForCausalLM
@@ -15,6 +16,7 @@ from chunkserve.model.models.qwen3 import Qwen3ForCausalLM
 Architecture = type[LlamaForCausalLM]
 ARCHITECTURES: tuple[Architecture, ...] = (
     LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Phi3ForCausalLM,
+    Gemma3ForCausalLM,
 )
 _BY_HF = {name: arch for arch in ARCHITECTURES for name in arch.hf_architectures}
 _BY_MODEL_TYPE = {name: arch for arch in ARCHITECTURES for name in arch.hf_model_types}
@@ -62,6 +64,7 @@ def config_from_hf(hf_config: dict[str, Any], source: str = "config.json") -> De
         config = DecoderConfig.from_hf_dict(hf_config, arch.hf_architectures[0])
     except KeyError as e:
         raise ValueError(f"{source}: config.json lacks {e.args[0]!r}.") from None
+    arch.configure(config, hf_config)
     # Phi-3 keeps original_max_position_embeddings beside rope_scaling, not in it.
     config.set_rope_scaling(config.rope_scaling, hf_config.get("original_max_position_embeddings"))
     config.limit_to_window(arch.sliding_window(hf_config))
@@ -72,5 +75,8 @@ def _refuse_unbuilt(arch: Architecture, hf: dict[str, Any], source: str) -> None
     name = arch.hf_architectures[0]
     if hf.get("attention_bias") or hf.get("mlp_bias"):
         raise ValueError(f"{source}: {name} with attention_bias or mlp_bias is not supported.")
-    if hf.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"{source}: hidden_act {hf['hidden_act']!r} is not supported (only silu).")
+    # Gemma's configs name it hidden_activation.
+    act = hf.get("hidden_act") or hf.get("hidden_activation") or arch.hidden_act
+    if act != arch.hidden_act:
+        raise ValueError(f"{source}: {name} with activation {act!r} is not supported "
+                         f"(only {arch.hidden_act}).")
