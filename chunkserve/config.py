@@ -86,6 +86,10 @@ class CacheConfig:
     # vLLM V1's automatic prefix caching, on by default as there.
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"
+    # vLLM's flag: one block table for every layer, sliding-window layers keeping all their
+    # KV as full-attention layers do (masked, not freed). The baseline the groups are
+    # measured against.
+    disable_hybrid_kv_cache_manager: bool = False
 
     def verify(self) -> None:
         if self.block_size < 1:

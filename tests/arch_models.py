@@ -55,9 +55,9 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
         rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128})),
 }
 
-# Architectures whose sliding window caps the context (for now) below the 128 tokens the tests
-# above run, tested in tests/test_gemma3.py. Window 32; local and global layers; the attention
-# scale's scalar differs from head_dim so that a scale left at head_dim^-0.5 shows.
+# Architectures with sliding-window layers (KV-cache groups), tested in tests/test_gemma3.py on
+# prompts several windows long. Window 32; local and global layers; the attention scale's
+# scalar differs from head_dim so that a scale left at head_dim^-0.5 shows.
 WINDOWED: dict[str, tuple[str, str, dict[str, Any]]] = {
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(  # head_dim 32 = hidden / heads
         hidden_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=32,

@@ -148,7 +148,7 @@ def test_generate_is_all_or_nothing_on_bad_prompt(tiny):
         (dict(scheduler="prefill-first", max_num_batched_tokens=64), "smaller than max_model_len"),
         (dict(enable_chunked_prefill=False, scheduler="decode-first"), "always chunks"),
         (dict(scheduler="fifo"), "scheduler must be one of"),
-        (dict(num_kv_blocks=4), "fewer than max_model_len"),
+        (dict(num_kv_blocks=4), "fewer than one request of max_model_len"),
         (dict(preemption_mode="discard"), "preemption_mode must be one of"),
         (dict(block_size=0), "block_size must be positive"),
         (dict(dtype="float16"), "dtype must be one of"),

@@ -9,7 +9,8 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from chunkserve.config import CHUNKED_SCHEDULERS, CacheConfig, SchedulerConfig
-from chunkserve.core.kv_cache import BlockPool, KVCacheManager, SwapSpace
+from chunkserve.core.kv_cache import NULL_BLOCK, BlockPool, KVCacheManager, SwapSpace
+from chunkserve.core.kv_groups import KVCacheGroups
 from chunkserve.core.request import Request, RequestStatus
 from chunkserve.core.sched_output import SchedulerOutput
 from chunkserve.core.scheduler import Scheduler
@@ -170,14 +171,19 @@ def test_swap_free_releases_host_blocks() -> None:
 # ---- property test: block accounting under random scheduler workloads ----------------------
 def check_invariants(sched: Scheduler) -> None:
     """Every device block is referenced exactly as often as tables hold it, or free (empty or
-    evictable), never both, never lost; every host block is owned by one request or free."""
+    evictable), never both, never lost; every host block is owned by one request or free.
+    With KV-cache groups, every group's table counts, holes (NULL_BLOCK) hold nothing, and a
+    sliding-window group never holds more than its window's bound."""
     kv = sched.kv
     pool = kv.pool
-    owned = [b for table in kv.block_tables.values() for b in table]
+    owned = [b for tables in kv.tables.values() for table in tables for b in table
+             if b != NULL_BLOCK]
     distinct = set(owned)
     assert all(0 <= b < kv.num_blocks for b in owned)
-    for table in kv.block_tables.values():
-        assert len(table) == len(set(table)), "a table holds a block twice"
+    assert len(owned) == len(distinct) or kv.enable_caching, "a block in two tables"
+    for tables in kv.tables.values():
+        live = [b for table in tables for b in table if b != NULL_BLOCK]
+        assert len(live) == len(set(live)), "a request holds a block twice"
     for b in range(kv.num_blocks):
         assert pool.ref_cnt[b] == owned.count(b), f"block {b}: ref count != holders"
     evictable = {b for b in range(kv.num_blocks) if pool.cache.is_evictable(b)}
@@ -195,20 +201,27 @@ def check_invariants(sched: Scheduler) -> None:
 
     # Tables belong exactly to the running requests, sized for their computed tokens.
     running_ids = {r.request_id for r in sched.running}
-    assert set(kv.block_tables) == running_ids
+    assert set(kv.tables) == running_ids == set(kv.block_tables)
     assert len(sched.running) <= sched.config.max_num_seqs
+    chunk = sched.config.max_num_batched_tokens
     for req in sched.running:
         assert req.status is RequestStatus.RUNNING
         assert 0 < req.num_computed_tokens <= req.num_tokens
-        table = kv.block_tables[req.request_id]
-        assert len(table) == math.ceil(req.num_computed_tokens / kv.block_size)
-        # A shared block is always a full block of this request's computed tokens, and an
-        # indexed block in its table holds exactly the prefix the request expects there.
-        for i, b in enumerate(table):
-            if pool.ref_cnt[b] > 1:
-                assert (i + 1) * kv.block_size <= req.num_computed_tokens
-            if pool.cache.is_cached(b):
-                assert pool.cache.lookup(req.block_hashes[i]) == b
+        for g, (table, window) in enumerate(zip(kv.tables[req.request_id], kv.windows)):
+            assert len(table) == math.ceil(req.num_computed_tokens / kv.block_size)
+            live = [b for b in table if b != NULL_BLOCK]
+            assert table[len(table) - len(live):] == live, "a hole after a live block"
+            if window is not None:
+                assert len(live) <= -(-(window - 1 + chunk) // kv.block_size) + 1
+            # A shared block is always a full block of this request's computed tokens, and an
+            # indexed block in its table holds exactly the prefix the request expects there.
+            for i, b in enumerate(table):
+                if b == NULL_BLOCK:
+                    continue
+                if pool.ref_cnt[b] > 1:
+                    assert (i + 1) * kv.block_size <= req.num_computed_tokens
+                if pool.cache.is_cached(b):
+                    assert pool.cache.lookup(kv._key(g, req.block_hashes[i])) == b
     for req in sched.waiting:
         assert req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
         if not req.swapped_out:
@@ -234,17 +247,22 @@ def check_step(sched: Scheduler, out: SchedulerOutput) -> None:
     assert set(ids).isdisjoint(out.preempted_req_ids)
     for sr in out.scheduled:
         assert sr.num_new_tokens >= 1
-        assert len(sr.block_table) * sched.kv.block_size >= sr.start + sr.num_new_tokens
+        assert len(sr.block_tables) == sched.kv.groups.num_groups
+        for table in sr.block_tables:
+            assert len(table) * sched.kv.block_size >= sr.start + sr.num_new_tokens
         if not sched.config.chunked:
             assert sr.samples, "a no-chunk policy split a prompt"
 
 
 class FakeKV:
     """What the runner's KV tensors would hold: per slot, the whole token prefix whose KV it
-    is (a token's KV depends on every token before it). Swaps copy it like the runner does."""
+    is (a token's KV depends on every token before it). Swaps copy it like the runner does.
+    Each group's layers write their own blocks and read only their window: a read of a freed
+    block (a hole) or of a block another request now holds fails."""
 
     def __init__(self, sched: Scheduler) -> None:
         self.bs = sched.kv.block_size
+        self.windows = sched.kv.windows
         self.device: dict[int, list[tuple[int, ...] | None]] = {}
         self.host: dict[int, list[tuple[int, ...] | None]] = {}
 
@@ -255,14 +273,20 @@ class FakeKV:
             self.device[dev] = list(self.host[host])
         for sr in out.scheduled:  # every layer writes the step's K/V before attention reads
             tokens = sr.request.all_token_ids
-            for pos in range(sr.start, sr.start + sr.num_new_tokens):
-                block = self.device.setdefault(sr.block_table[pos // self.bs], [None] * self.bs)
-                block[pos % self.bs] = tuple(tokens[: pos + 1])
+            for table in sr.block_tables:
+                for pos in range(sr.start, sr.start + sr.num_new_tokens):
+                    assert table[pos // self.bs] != NULL_BLOCK, "a new token in a hole"
+                    block = self.device.setdefault(table[pos // self.bs], [None] * self.bs)
+                    block[pos % self.bs] = tuple(tokens[: pos + 1])
         for sr in out.scheduled:
             tokens = sr.request.all_token_ids
-            for pos in range(sr.start + sr.num_new_tokens):
-                got = self.device[sr.block_table[pos // self.bs]][pos % self.bs]
-                assert got == tuple(tokens[: pos + 1]), f"{sr.request} reads wrong KV at {pos}"
+            for table, window in zip(sr.block_tables, self.windows):
+                # The step's first query reads back to its window's start; later ones less.
+                first = 0 if window is None else max(0, sr.start - window + 1)
+                for pos in range(first, sr.start + sr.num_new_tokens):
+                    assert table[pos // self.bs] != NULL_BLOCK, f"{sr.request} reads a hole"
+                    got = self.device[table[pos // self.bs]][pos % self.bs]
+                    assert got == tuple(tokens[: pos + 1]), f"{sr.request} reads wrong KV at {pos}"
 
 
 def fake_step(sched: Scheduler, fake: FakeKV | None = None) -> SchedulerOutput:
@@ -301,6 +325,17 @@ def test_random_shared_prefix_workloads_keep_references_consistent(data: st.Data
     random_workload(data, prefix_focus=True)
 
 
+def draw_groups(data: st.DataObject, max_model_len: int) -> KVCacheGroups | None:
+    """One group (most models), or a full-attention group beside one or two sliding-window
+    groups whose window is drawn shorter than the context, so blocks leave it."""
+    if not data.draw(st.booleans(), label="sliding_window_groups"):
+        return None
+    window = data.draw(st.integers(1, max(1, max_model_len - 1)), label="window")
+    num_sliding = data.draw(st.integers(1, 2), label="num_sliding_groups")
+    windows = (None,) + (window,) * num_sliding
+    return KVCacheGroups(windows, tuple((g,) for g in range(len(windows))), 1)
+
+
 def random_workload(data: st.DataObject, prefix_focus: bool) -> None:
     policy = data.draw(st.sampled_from(POLICIES), label="policy")
     mode = data.draw(st.sampled_from(["recompute", "swap"]), label="preemption_mode")
@@ -330,7 +365,11 @@ def random_workload(data: st.DataObject, prefix_focus: bool) -> None:
     cache_config = CacheConfig(
         block_size=block_size, preemption_mode=mode, enable_prefix_caching=caching
     )
-    sched = Scheduler(config.resolve(), cache_config, num_blocks, num_swap)
+    groups = draw_groups(data, max_model_len)
+    if groups is not None:  # the engine's own check: one longest request always fits
+        num_blocks = max(num_blocks, groups.blocks_per_token_bound(block_size, max_model_len,
+                                                                   budget))
+    sched = Scheduler(config.resolve(), cache_config, num_blocks, num_swap, groups)
     fake = FakeKV(sched)
     # Prompts share prefixes: a few fixed "system prompts", cut anywhere, then a short suffix.
     systems = [[100 * (k + 1) + i for i in range(max_model_len)] for k in range(2)]
@@ -445,6 +484,7 @@ def random_workload(data: st.DataObject, prefix_focus: bool) -> None:
     assert not sched.requests
     event(f"preempted: {sched.num_preemptions > 0}")
     event(f"prefix hits: {sched.kv.prefix_stats.hits > 0}")
+    event(f"kv cache groups: {sched.kv.groups.num_groups}")
 
 
 def test_new_requests_are_placed_with_room_to_grow() -> None:

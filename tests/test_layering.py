@@ -18,15 +18,17 @@ import chunkserve
 
 ROOT = pathlib.Path(chunkserve.__file__).parent
 # Top-level modules with no arrows out.
-LEAVES = {"config", "sampling_params", "outputs", "presets", "gguf_file"}
+LEAVES = {"config", "sampling_params", "outputs", "presets", "gguf_file", "layer_types"}
 ALLOWED = {
     "core": {"config", "sampling_params"},
     # The tokenizer (and chat template) reads model files but no weights.
     "tokenizer": {"presets", "gguf_file"},
-    "model": {"config", "presets", "tokenizer", "gguf_file"},
+    "model": {"config", "presets", "tokenizer", "gguf_file", "layer_types"},
     "engine": {"core", "model", "config", "sampling_params", "outputs"},
     "benchlib": {"core", "engine", "config", "sampling_params", "outputs"},
-    "sim": {"benchlib", "core", "engine", "config", "sampling_params", "outputs", "presets"},
+    # layer_types: which layers of a config.json slide, read by the model and the simulator.
+    "sim": {"benchlib", "core", "engine", "config", "sampling_params", "outputs", "presets",
+            "layer_types"},
     "serve": {"core", "engine", "model", "tokenizer", "config", "sampling_params", "outputs",
               "__init__"},
     "bench": {"benchlib", "sim", "core", "engine", "model", "tokenizer", "config",

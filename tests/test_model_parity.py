@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 
-import numpy as np
 import pytest
 import torch
 
-from chunkserve.engine.model_runner import ModelRunner
-from chunkserve.model.batch import BatchLayout
+from chunkserve.core.request import Request
+from chunkserve.core.sched_output import ScheduledRequest
+from chunkserve.engine.model_runner import ModelRunner, kv_cache_groups
+from chunkserve.sampling_params import SamplingParams
 from chunkserve.model.factory import LoadedModel, load_model
 from chunkserve.model.models import llama
 
@@ -15,29 +16,22 @@ from chunkserve.model.models import llama
 def full_logits(model: llama.LlamaForCausalLM, ids: list[int], chunk: int | None = None,
                 kv_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Logits at every position, running the prompt through the paged cache in chunks (a KV
-    cache of `kv_dtype`; None: the model's dtype)."""
+    cache of `kv_dtype`; None: the model's dtype), as the engine's runner does: each KV-cache
+    group its own blocks, none freed, so a sliding window is the attention backend's alone."""
     block_size = 16
     n = len(ids)
-    runner = ModelRunner(model, num_kv_blocks=-(-n // block_size), block_size=block_size,
+    per_group = -(-n // block_size)
+    num_groups = kv_cache_groups(model).num_groups
+    runner = ModelRunner(model, num_kv_blocks=num_groups * per_group, block_size=block_size,
                          kv_dtype=kv_dtype)
-    table = np.arange(-(-n // block_size), dtype=np.int64)
+    tables = [list(range(g * per_group, (g + 1) * per_group)) for g in range(num_groups)]
+    request = Request("r", ids, SamplingParams(max_tokens=1), arrival_time=0.0)
     chunk = chunk or n
     parts = []
     for start in range(0, n, chunk):
-        end = min(start + chunk, n)
-        pos = np.arange(start, end, dtype=np.int64)
-        layout = BatchLayout(
-            input_ids=np.array(ids[start:end], dtype=np.int64),
-            positions=pos,
-            slot_mapping=table[pos // block_size] * block_size + pos % block_size,
-            query_start_loc=np.array([0, end - start], dtype=np.int64),
-            seq_lens=np.array([end], dtype=np.int64),
-            block_table=table[None, : -(-end // block_size)],
-            block_size=block_size,
-        )
-        batch = runner.stager.to_device(layout)
-        meta = model.attn.build_metadata(batch)
-        hidden = model.forward(batch.input_ids, batch.positions, runner.kv_caches, meta)
+        step = [ScheduledRequest(request, min(chunk, n - start), start, is_decode=False,
+                                 block_tables=tables, samples=False)]
+        hidden = runner.hidden_states(step)
         parts.append(model.compute_logits(hidden))
     return torch.cat(parts)
 

@@ -24,7 +24,7 @@ def _admit(kv: KVCacheManager, req: Request, num_tokens: int | None = None) -> l
     n = req.num_tokens if num_tokens is None else num_tokens
     assert kv.allocate_slots(req.request_id, n, computed_blocks=hits) is not None
     kv.cache_blocks(req, n)
-    return hits
+    return hits.tables[0]  # one group: the hit's blocks
 
 
 # ---- hashing --------------------------------------------------------------------------------
@@ -61,7 +61,7 @@ def test_hit_at_exact_block_boundary() -> None:
     a = _req("a", list(range(8)))
     _admit(kv, a)
     b = _req("b", list(range(8)) + [50, 51, 52])
-    assert kv.get_computed_blocks(b) == kv.block_tables["a"][:2]
+    assert kv.get_computed_blocks(b).tables[0] == kv.block_tables["a"][:2]
 
 
 def test_one_token_past_the_boundary_still_hits_the_full_blocks() -> None:
@@ -69,9 +69,9 @@ def test_one_token_past_the_boundary_still_hits_the_full_blocks() -> None:
     kv = KVCacheManager(16, BS)
     _admit(kv, _req("a", list(range(6))))  # one full block + 2 tokens
     b = _req("b", list(range(4)) + [99])
-    assert kv.get_computed_blocks(b) == [kv.block_tables["a"][0]]
+    assert kv.get_computed_blocks(b).tables[0] == [kv.block_tables["a"][0]]
     c = _req("c", [9] + list(range(1, 6)))  # differs in the first block: no hit at all
-    assert kv.get_computed_blocks(c) == []
+    assert not kv.get_computed_blocks(c)
 
 
 def test_full_prompt_hit_recomputes_the_last_token() -> None:
@@ -80,7 +80,7 @@ def test_full_prompt_hit_recomputes_the_last_token() -> None:
     _admit(kv, _req("a", list(range(8))))
     again = _req("b", list(range(8)))
     hits = kv.get_computed_blocks(again)
-    assert len(hits) == 1  # 7 tokens may hit at most: one full block
+    assert hits.num_blocks == 1  # 7 tokens may hit at most: one full block
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_model_len=32).resolve(),
                       CacheConfig(block_size=BS), 16)
     for rid in ("x", "y"):
@@ -121,8 +121,8 @@ def test_eviction_is_least_recently_freed_first_and_drops_the_hash() -> None:
     assert kv.pool.cache.num_evictable == 2 and kv.pool.num_free == 4
     new = kv.pool.take(3, None)  # two empty (the partials) then the LRU cached block: a's
     assert a_full in new and b_full not in new
-    assert kv.get_computed_blocks(_req("x", [1] * 4 + [5])) == []  # a's prefix is gone
-    assert kv.get_computed_blocks(_req("y", [2] * 4 + [5])) == [b_full]
+    assert not kv.get_computed_blocks(_req("x", [1] * 4 + [5]))  # a's prefix is gone
+    assert kv.get_computed_blocks(_req("y", [2] * 4 + [5])).tables[0] == [b_full]
 
 
 def test_a_hit_refreshes_recency() -> None:
@@ -147,9 +147,9 @@ def test_allocation_counts_revived_blocks_against_free_space() -> None:
     _admit(kv, _req("b", [5]))  # takes the one empty block
     c = _req("c", [1] * 8 + [3, 3, 3, 3, 3])  # hits 2 evictable, needs 2 more: 1 short
     hits = kv.get_computed_blocks(c)
-    assert len(hits) == 2
+    assert hits.num_blocks == 2
     assert kv.allocate_slots("c", c.num_tokens, computed_blocks=hits) is None
-    assert all(kv.pool.ref_cnt[b] == 0 for b in hits) and "c" not in kv.block_tables
+    assert all(kv.pool.ref_cnt[b] == 0 for b in hits.cached_blocks()) and "c" not in kv.block_tables
 
 
 def test_duplicate_content_keeps_the_first_copy_indexed() -> None:
@@ -169,7 +169,7 @@ def test_duplicate_content_keeps_the_first_copy_indexed() -> None:
 def test_disabled_caching_never_hits() -> None:
     kv = KVCacheManager(8, BS, enable_caching=False)
     _admit(kv, _req("a", list(range(8))))
-    assert kv.get_computed_blocks(_req("b", list(range(9)))) == []
+    assert not kv.get_computed_blocks(_req("b", list(range(9))))
     kv.free("a")
     assert kv.pool.cache.num_evictable == 0 and len(kv.pool.cache) == 0
 
@@ -180,7 +180,7 @@ def test_reset_forgets_every_prefix_but_keeps_running_blocks() -> None:
     _admit(kv, _req("b", [7] * 5))
     kv.free("b")
     assert kv.reset_prefix_cache() == 1
-    assert kv.get_computed_blocks(_req("c", list(range(9)))) == []
+    assert not kv.get_computed_blocks(_req("c", list(range(9))))
     assert kv.pool.cache.num_evictable == 0
     kv.free("a")
     assert kv.pool.num_free == 8 and all(c == 0 for c in kv.pool.ref_cnt)
@@ -246,7 +246,7 @@ def test_same_step_admissions_share_blocks_being_computed() -> None:
     sched.add_request(_req("b", list(range(12)) + [99], max_tokens=1))
     out = sched.schedule()
     a, b = (s for s in out.scheduled)
-    assert b.block_table[:3] == a.block_table[:3] and (b.start, b.num_new_tokens) == (12, 1)
+    assert b.block_tables[0][:3] == a.block_tables[0][:3] and (b.start, b.num_new_tokens) == (12, 1)
 
 
 def test_no_chunk_policy_admits_the_uncached_remainder_in_one_step() -> None:

@@ -29,7 +29,6 @@ def tiny(tiny_model_dir: str) -> LoadedModel:
 
 def _reference(tiny: LoadedModel, prompt: list[int]) -> torch.Tensor:
     """[len(prompt), vocab] log-probs from one whole-prompt forward on a scratch KV cache."""
-    from chunkserve.engine.input_batch import build_layout
     from chunkserve.engine.model_runner import ModelRunner
     from chunkserve.core.request import Request
     from chunkserve.core.sched_output import ScheduledRequest
@@ -38,9 +37,9 @@ def _reference(tiny: LoadedModel, prompt: list[int]) -> torch.Tensor:
     nblocks = -(-len(prompt) // block)
     runner = ModelRunner(tiny.model, nblocks, block, enforce_eager=True)
     req = Request("ref", prompt, SamplingParams(), 0.0)
-    sr = ScheduledRequest(req, len(prompt), 0, False, list(range(nblocks)), True)
+    sr = ScheduledRequest(req, len(prompt), 0, False, [list(range(nblocks))], True)
     with torch.inference_mode():
-        hidden = runner._forward(build_layout([sr], block))
+        hidden = runner.hidden_states([sr])
         return tiny.model.compute_logits(hidden).float().log_softmax(dim=-1)
 
 

@@ -180,7 +180,7 @@ def test_partial_prefill_resumes_where_it_stopped(policy: str, threshold: int) -
             continue
         chunks.append(sr)
         samples.append("long" in sampled)
-        assert len(sr.block_table) == math.ceil((sr.start + sr.num_new_tokens) / 16)
+        assert len(sr.block_tables[0]) == math.ceil((sr.start + sr.num_new_tokens) / 16)
     assert chunks[0].start == 0
     for prev, cur in zip(chunks, chunks[1:]):
         assert cur.start == prev.start + prev.num_new_tokens

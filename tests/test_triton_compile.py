@@ -33,14 +33,14 @@ SCRIPT = textwrap.dedent('''
         return triton.compile(src, target=GPUTarget("cuda", arch, 32),
                               options={"num_warps": num_warps})
 
-    def compile_step(arch, dtype, head_dim, group, block_size, max_query_len):
+    def compile_step(arch, dtype, head_dim, group, block_size, max_query_len, window):
         block_m, block_q, tile_n, num_warps = tk.tile_sizes(group, max_query_len)
         data = {n: "*" + dtype for n in ("out_ptr", "q_ptr", "k_cache_ptr", "v_cache_ptr")}
         data.update({n: "*i64" for n in ("block_table_ptr", "seq_lens_ptr", "query_start_loc_ptr")})
         compile_kernel(tk._unified_attention_kernel, data, dict(
             GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_P2=triton.next_power_of_2(head_dim),
             BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=tile_n,
-            INPUT_PRECISION="ieee" if dtype == "fp32" else "tf32"), arch, num_warps)
+            WINDOW=window, INPUT_PRECISION="ieee" if dtype == "fp32" else "tf32"), arch, num_warps)
         row = 8 * head_dim
         cache = {n: "*" + dtype for n in ("key_ptr", "value_ptr", "k_cache_ptr", "v_cache_ptr")}
         cache["slot_mapping_ptr"] = "*i64"
@@ -48,15 +48,15 @@ SCRIPT = textwrap.dedent('''
             ROW=row, ROW_P2=triton.next_power_of_2(row), BLOCK_SIZE=block_size, BLOCK_T=16), arch)
 
     for case in sys.argv[1:]:
-        arch, dtype, head_dim, group, block_size, max_query_len = case.split(',')
+        arch, dtype, head_dim, group, block_size, max_query_len, *window = case.split(',')
         compile_step(int(arch), dtype, int(head_dim), int(group), int(block_size),
-                     int(max_query_len))
+                     int(max_query_len), int(window[0]) if window else 0)
         print('compiled', case, flush=True)
 ''')
 
 
 CASES = [
-    # arch, dtype, head_dim, group, block_size, max_query_len
+    # arch, dtype, head_dim, group, block_size, max_query_len[, sliding window]
     "90,bf16,128,4,16,1",  # Llama-3-8B decode on an H100/H200
     "90,bf16,128,4,16,2048",  # ... and a long prefill chunk (128-row tiles, 8 warps)
     "90,bf16,128,4,16,64",  # ... a short one (64-row tiles)
@@ -66,6 +66,8 @@ CASES = [
     "90,fp32,16,2,16,40",
     "90,bf16,96,1,16,64",  # Phi-3-mini (head size 96, padded to 128 in the tiles)
     "80,fp32,96,2,16,1",  # the GPU tests' tiny Phi-3, decode
+    "90,bf16,256,4,16,512,512",  # Gemma 3 270M's sliding-window layers, a chunk
+    "90,bf16,128,2,16,1,1024",  # Gemma 3 27B's, decode
 ]
 
 

@@ -13,7 +13,9 @@ class ScheduledRequest:
     num_new_tokens: int
     start: int  # num_computed_tokens before this step: the first new token's position
     is_decode: bool
-    block_table: list[int]  # the manager's live table (already grown for this step)
+    # The manager's live tables, one per KV-cache group (already grown for this step); a
+    # sliding-window group's has NULL_BLOCK holes where its blocks left the window.
+    block_tables: list[list[int]]
     # Whether this step catches the request up, so that it yields a new token. Decided when
     # scheduled (start + num_new_tokens == num_tokens then): the token count grows afterwards.
     samples: bool

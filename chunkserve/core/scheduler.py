@@ -31,6 +31,7 @@ from dataclasses import replace
 from chunkserve.config import CacheConfig, SchedulerConfig
 from chunkserve.core.chunk_budget import ChunkPlanner
 from chunkserve.core.kv_cache import KVCacheManager, SwapSpace
+from chunkserve.core.kv_groups import KVCacheGroups
 from chunkserve.core.request import Request, RequestStatus
 from chunkserve.core.sched_output import ScheduledRequest, SchedulerOutput
 
@@ -42,6 +43,7 @@ class Scheduler:
         cache_config: CacheConfig,
         num_kv_blocks: int,
         num_swap_blocks: int = 0,
+        kv_cache_groups: KVCacheGroups | None = None,
     ) -> None:
         # Defaults are decided once, by SchedulerConfig.resolve(); the scheduler only runs them.
         assert config.is_resolved, "the scheduler takes a resolved config (SchedulerConfig.resolve)"
@@ -54,7 +56,8 @@ class Scheduler:
         self.config = config
         self.cache_config = cache_config
         self.kv = KVCacheManager(
-            num_kv_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+            num_kv_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
+            kv_cache_groups,
         )
         self.swap = SwapSpace(num_swap_blocks if cache_config.preemption_mode == "swap" else 0)
         self.waiting: deque[Request] = deque()
@@ -171,22 +174,21 @@ class Scheduler:
         while self.waiting and self._budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self._peek_waiting()
             # A swapped-out request brings its own KV back; anyone else may hit the cache.
-            hits = [] if req.swapped_out else self.kv.get_computed_blocks(req)
-            num_hit = len(hits) * self.kv.block_size
+            hits = None if req.swapped_out else self.kv.get_computed_blocks(req)
+            num_hit = hits.num_blocks * self.kv.block_size if hits else 0
             n = self._chunk(req, num_hit)
             if not self.config.chunked and n < req.num_uncomputed_tokens - num_hit:
                 break  # a whole prompt must fit the step: wait for a step with more budget
-            blocks_before = self.swap.tables.get(req.request_id, [])
             expected = min(req.num_prompt_tokens + self._max_tokens(req), self.config.max_model_len)
             start = req.num_computed_tokens + num_hit
-            if self.kv.allocate_slots(req.request_id, start + n, expected, hits) is None:
+            if self.kv.allocate_slots(req.request_id, start + n, expected, hits,
+                                      num_computed=start) is None:
                 break  # strict FCFS: nobody overtakes a request that does not fit
             self._remove_waiting(req)
             self._apply_hit(req, num_hit)
             if req.swapped_out:
-                table = self.kv.block_tables[req.request_id]
                 self._out.blocks_to_swap_in += self.swap.swap_in(
-                    req.request_id, table[: len(blocks_before)]
+                    req.request_id, self.kv.restored_blocks(req.request_id)
                 )
                 req.swapped_out = False
             req.status = RequestStatus.RUNNING
@@ -219,7 +221,8 @@ class Scheduler:
         waiting the prefix-cache hit it will get at admission (the lookup takes no reference)."""
         if req.status is RequestStatus.RUNNING or req.swapped_out:
             return req.num_computed_tokens
-        return req.num_computed_tokens + len(self.kv.get_computed_blocks(req)) * self.kv.block_size
+        hit = self.kv.get_computed_blocks(req)
+        return req.num_computed_tokens + hit.num_blocks * self.kv.block_size
 
     def _apply_hit(self, req: Request, num_hit: int) -> None:
         """An admitted request skips its cached tokens; the lookup is counted once here."""
@@ -249,7 +252,8 @@ class Scheduler:
         """Allocates KV for `n` more tokens of a running request and adds it to the step."""
         if n <= 0:
             return False
-        while self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n) is None:
+        while self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n,
+                                     num_computed=req.num_computed_tokens) is None:
             if not may_preempt:
                 return False
             victim = self._pick_victim()
@@ -267,7 +271,7 @@ class Scheduler:
             num_new_tokens=n,
             start=start,
             is_decode=req.is_decoding,
-            block_table=self.kv.block_tables[rid],
+            block_tables=self.kv.tables[rid],
             samples=start + n == len(req.all_token_ids),
         )
         # Optimistic, as in vLLM: the tokens count as computed once scheduled.
@@ -284,13 +288,13 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
-        table = self.kv.block_tables.get(req.request_id, [])
-        if self.swap.can_swap_out(len(table)):
-            self._out.blocks_to_swap_out += self.swap.swap_out(req.request_id, list(table))
+        live = self.kv.live_blocks(req.request_id)
+        if self.swap.can_swap_out(len(live)):
+            self._out.blocks_to_swap_out += self.swap.swap_out(req.request_id, live)
             req.swapped_out = True
         else:  # recompute (also the fallback when the swap space is full)
             req.num_computed_tokens = 0
-        self.kv.free(req.request_id)
+        self.kv.free(req.request_id, keep_shape=req.swapped_out)
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1

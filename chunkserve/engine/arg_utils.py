@@ -69,6 +69,9 @@ def add_engine_args(p: argparse.ArgumentParser, model_flag: bool = True) -> None
                    help="auto: the model's dtype; fp8 (= fp8_e4m3) or fp8_e5m2: one byte a "
                         "value, unscaled (twice the tokens, half the attention reads; less "
                         "accurate; cpu and torch attention backends)")
+    c.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
+                   help="one block table for all layers: sliding-window layers keep every "
+                        "block instead of freeing what left their window (vLLM's flag)")
     p.add_argument("--trace-file", default=None, help="write one JSON line per engine step")
 
 
@@ -116,7 +119,7 @@ ENGINE_KEYS = (
     "max_num_batched_tokens", "max_num_seqs", "scheduler", "long_prefill_token_threshold",
     "scheduling_policy", "block_size", "kv_cache_memory", "num_kv_blocks", "preemption_mode",
     "swap_space", "trace_file", "enable_prefix_caching", "kv_cache_dtype", "chunk_policy",
-    "target_itl_ms", "min_chunk_tokens",
+    "target_itl_ms", "min_chunk_tokens", "disable_hybrid_kv_cache_manager",
     # Not a flag: the adaptive policy's step-time model, which the command line builds from
     # --cost-model (cli.py; the engine cannot import the simulator's cost models).
     "step_time",

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from chunkserve.core.kv_groups import KVCacheGroups
 from chunkserve.core.sched_output import SchedulerOutput
 
 
@@ -28,6 +29,9 @@ class Executor(Protocol):
     # The KV pool it owns, in blocks of `block_size` tokens: the scheduler allocates within it.
     num_kv_blocks: int
     num_swap_blocks: int
+    # Which layers share a block table (one group unless the model mixes sliding-window and
+    # full-attention layers): the scheduler keeps one table per group.
+    kv_cache_groups: KVCacheGroups
 
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         """Runs one step; returns the token of every scheduled request that samples."""

@@ -13,7 +13,10 @@ from chunkserve.core.sched_output import ScheduledRequest
 from chunkserve.model.batch import BatchLayout
 
 
-def build_layout(scheduled: list[ScheduledRequest], block_size: int) -> BatchLayout:
+def build_layout(scheduled: list[ScheduledRequest], block_size: int,
+                 group: int = 0) -> BatchLayout:
+    """The step's arrays, with the block tables and slot mapping of KV-cache group `group`
+    (every group's layers see the same tokens; only where their K/V live differs)."""
     num_seqs = len(scheduled)
     q_lens = np.fromiter((s.num_new_tokens for s in scheduled), np.int64, num_seqs)
     starts = np.fromiter((s.start for s in scheduled), np.int64, num_seqs)
@@ -29,8 +32,12 @@ def build_layout(scheduled: list[ScheduledRequest], block_size: int) -> BatchLay
     num_blocks = -(-seq_lens // block_size)
     table = np.zeros((num_seqs, int(num_blocks.max(initial=0))), dtype=np.int64)
     for i, s in enumerate(scheduled):
-        table[i, : num_blocks[i]] = s.block_table[: num_blocks[i]]
+        table[i, : num_blocks[i]] = s.block_tables[group][: num_blocks[i]]
     slot_mapping = table[seq_of_token, positions // block_size] * block_size + positions % block_size
+    # New tokens are always inside their window, never in a hole (NULL_BLOCK, -1) of a
+    # sliding-window table; the holes become block 0, like padding: attention never reads them.
+    assert not num_tokens or slot_mapping.min() >= 0, "a new token's block was freed"
+    np.maximum(table, 0, out=table)
     return BatchLayout(
         input_ids, positions, slot_mapping, query_start_loc, seq_lens, table, block_size
     )

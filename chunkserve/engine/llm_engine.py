@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from chunkserve.config import EngineConfig
 from chunkserve.core.chunk_budget import LearnedStepTime, PlannedStep, StepObservation
+from chunkserve.core.kv_groups import group_layers
 from chunkserve.core.request import Request, RequestStatus
 from chunkserve.core.sched_output import ScheduledRequest
 from chunkserve.core.scheduler import Scheduler
@@ -84,15 +85,23 @@ class LLMEngine:
         self.max_model_len = config.max_model_len
         cc = config.cache_config
         self.num_kv_blocks = executor.num_kv_blocks
-        if self.num_kv_blocks * cc.block_size < self.max_model_len:
+        groups = executor.kv_cache_groups
+        chunk = config.scheduler_config.max_num_batched_tokens
+        needed = groups.blocks_per_token_bound(cc.block_size, self.max_model_len, chunk)
+        if self.num_kv_blocks < needed:
             raise ValueError(
-                f"The KV cache holds {self.num_kv_blocks * cc.block_size} tokens "
-                f"({self.num_kv_blocks} blocks of {cc.block_size}), fewer than max_model_len "
-                f"({self.max_model_len}): one long request could never run. Increase "
-                "--kv-cache-memory / --num-kv-blocks or decrease --max-model-len."
+                f"The KV cache holds {self.num_kv_blocks} blocks of {cc.block_size} tokens, "
+                f"fewer than one request of max_model_len ({self.max_model_len}) tokens needs "
+                f"({needed}): it could never run. Increase --kv-cache-memory / --num-kv-blocks "
+                "or decrease --max-model-len."
             )
         self.scheduler = Scheduler(config.scheduler_config, cc, self.num_kv_blocks,
-                                   executor.num_swap_blocks)
+                                   executor.num_swap_blocks, groups)
+        # vLLM's start-up line, with what sliding-window groups change in it.
+        logger.info("KV cache: %d blocks of %d tokens in %d group(s) (windows %s); maximum "
+                    "concurrency for %d tokens per request: %.2fx", self.num_kv_blocks,
+                    cc.block_size, groups.num_groups, list(groups.windows), self.max_model_len,
+                    self.num_kv_blocks / needed)
         self.trace = StepTrace(config.trace_file)
         # The adaptive policy's model, when it learns from the steps it plans (else None).
         step_time = config.scheduler_config.step_time
@@ -296,7 +305,8 @@ def warm_start_step_model(loaded: LoadedModel, config: EngineConfig) -> None:
     t0 = time.monotonic()
     def probe() -> list[StepObservation]:
         return run_probe(lambda scratch: LLMEngine.from_config(scratch, loaded=loaded), config,
-                         loaded.config.vocab_size)
+                         loaded.config.vocab_size,
+                         group_layers(loaded.model.layer_windows()).num_groups)
 
     how = step_time.warm_start(probe_identity(loaded, config), probe)
     decode = step_time(PlannedStep(1, 1, 0, 0))

@@ -1,17 +1,20 @@
 """Scheduler output → tensors → tokens. Owns the model, the paged KV tensors and the swap pool."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import torch
 
 from chunkserve.config import DEFAULT_KV_CACHE_GIB, EngineConfig
-from chunkserve.core.sched_output import SchedulerOutput
+from chunkserve.core.kv_groups import KVCacheGroups, group_layers, single_group
+from chunkserve.core.sched_output import ScheduledRequest, SchedulerOutput
 from chunkserve.engine.cuda_graph import CUDAGraphRunner, capture_sizes
 from chunkserve.engine.executor import RunnerOutput
 from chunkserve.engine.input_batch import build_layout, sample_rows
 from chunkserve.engine.sampler import Sampler, SamplingRow, logprob_entries
 from chunkserve.model.attention.backend import FP8_BY_NAME
-from chunkserve.model.batch import BatchLayout, DeviceStager
+from chunkserve.model.batch import BatchLayout, BatchTensors, DeviceStager, PerLayer
 from chunkserve.model.models.interface import CausalLM
 
 
@@ -27,10 +30,19 @@ def kv_cache_dtype(model: CausalLM, name: str = "auto") -> torch.dtype:
     return FP8_BY_NAME[name]
 
 
-def kv_bytes_per_block(model: CausalLM, block_size: int, dtype: torch.dtype | None = None) -> int:
+def kv_cache_groups(model: CausalLM, hybrid: bool = True) -> KVCacheGroups:
+    """The model's layers in KV-cache groups, by attention window (core/kv_groups.py); one
+    group for all when not `hybrid` (--disable-hybrid-kv-cache-manager)."""
+    return group_layers(model.layer_windows()) if hybrid else single_group(len(model.layers))
+
+
+def kv_bytes_per_block(model: CausalLM, block_size: int, dtype: torch.dtype | None = None,
+                       hybrid: bool = True) -> int:
+    """Bytes of one block id of the pool: K and V of `block_size` tokens for a group's layers
+    (every layer, for a model that is one group)."""
     elem = torch.empty((), dtype=dtype or model.kv_dtype).element_size()
-    per_token = 2 * len(model.layers) * model.num_kv_heads * model.head_dim * elem
-    return per_token * block_size
+    layers = kv_cache_groups(model, hybrid).group_size
+    return 2 * layers * model.num_kv_heads * model.head_dim * elem * block_size
 
 
 GiB = 1 << 30
@@ -50,18 +62,29 @@ class ModelRunner:
         max_num_seqs: int = 256,
         max_model_len: int | None = None,
         kv_dtype: torch.dtype | None = None,
+        hybrid_kv_cache: bool = True,
     ) -> None:
-        """`kv_dtype`: the KV cache's (kv_cache_dtype()); None: the model's."""
+        """`kv_dtype`: the KV cache's (kv_cache_dtype()); None: the model's. `hybrid_kv_cache`:
+        sliding-window layers in their own KV-cache groups (else one table for all layers)."""
         self.model = model
         self.kv_dtype = kv_dtype or model.kv_dtype
         self.block_size = block_size
         self.num_kv_blocks = num_kv_blocks
         self.num_swap_blocks = num_swap_blocks
-        shape = (len(model.layers), 2, num_kv_blocks, block_size, model.num_kv_heads, model.head_dim)
+        self.kv_cache_groups = kv_cache_groups(model, hybrid_kv_cache)
+        # One tensor pair per slot of a page: the layers of different groups share them, each
+        # group in the block ids it was given, so a block id costs `group_size` layers' KV.
+        shape = (self.kv_cache_groups.group_size, 2, num_kv_blocks, block_size,
+                 model.num_kv_heads, model.head_dim)
         # torch.empty leaves pages untouched until written: a large pool costs nothing up front.
         self.device = model.device
         self.kv_cache = torch.empty(shape, dtype=self.kv_dtype, device=self.device)
-        self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(shape[0])]
+        slots = self.kv_cache_groups.slot_of_layer()
+        # Each layer's attention metadata is that of its (group, window): the group says where
+        # its K/V live, the window how far back it reads (the same unless one group for all).
+        self.layer_attention = [(slots[i][0], w) for i, w in enumerate(model.layer_windows())]
+        self.kv_caches = [(self.kv_cache[slots[i][1], 0], self.kv_cache[slots[i][1], 1])
+                          for i in range(len(model.layers))]
         swap_shape = (shape[0], 2, num_swap_blocks) + shape[3:]
         # The swap pool is host memory whatever the device (pinned on CUDA for fast copies).
         pin = self.device.type == "cuda"
@@ -79,7 +102,8 @@ class ModelRunner:
         """Sizes the KV pool (and the swap pool) from the cache config and the model's shape."""
         cc = config.cache_config
         kv_dtype = kv_cache_dtype(model, cc.kv_cache_dtype)
-        block_bytes = kv_bytes_per_block(model, cc.block_size, kv_dtype)
+        hybrid = not cc.disable_hybrid_kv_cache_manager
+        block_bytes = kv_bytes_per_block(model, cc.block_size, kv_dtype, hybrid)
         kv_gib = cc.kv_cache_memory if cc.kv_cache_memory is not None else DEFAULT_KV_CACHE_GIB
         num_blocks = cc.num_kv_blocks or int(kv_gib * GiB // block_bytes)
         num_swap = int(cc.swap_space * GiB // block_bytes) if cc.preemption_mode == "swap" else 0
@@ -88,7 +112,7 @@ class ModelRunner:
             enforce_eager=config.model_config.enforce_eager,
             max_num_seqs=config.scheduler_config.max_num_seqs,
             max_model_len=config.max_model_len,
-            kv_dtype=kv_dtype,
+            kv_dtype=kv_dtype, hybrid_kv_cache=hybrid,
         )
 
     def commit_kv_memory(self) -> None:
@@ -110,6 +134,8 @@ class ModelRunner:
         attention backend, unless --enforce-eager. On the CPU there is nothing to do."""
         if enforce_eager or self.device.type != "cuda" or not self.model.attn.supports_cuda_graphs:
             return None
+        if set(self.layer_attention) != {(0, None)}:
+            return None  # the graphs are captured over one block table, without a window
         max_len = max_model_len or self.model.rope.max_positions
         graphs = CUDAGraphRunner(
             self.model, self.kv_caches, self.stager, capture_sizes(max_num_seqs),
@@ -127,7 +153,7 @@ class ModelRunner:
         if not out.scheduled:
             return RunnerOutput()
         layout = build_layout(out.scheduled, self.block_size)
-        hidden = self._forward(layout)
+        hidden = self._forward(out.scheduled, layout)
         prompt_logprobs = self._prompt_logprobs(out, layout, hidden)
         samplers = [sr for sr in out.scheduled if sr.samples]
         if not samplers:
@@ -186,14 +212,35 @@ class ModelRunner:
             pos += count
         return result
 
-    def _forward(self, layout: BatchLayout) -> torch.Tensor:
+    def hidden_states(self, scheduled: list[ScheduledRequest]) -> torch.Tensor:
+        """The final-norm hidden states of a step, without sampling (tests, references)."""
+        return self._forward(scheduled, build_layout(scheduled, self.block_size))
+
+    def _forward(self, scheduled: list[ScheduledRequest], layout: BatchLayout) -> torch.Tensor:
         if self.graphs is not None:
             hidden = self.graphs.run(layout)
             if hidden is not None:
                 return hidden
         batch = self.stager.to_device(layout)
-        meta = self.model.attn.build_metadata(batch)
+        kinds = dict.fromkeys(self.layer_attention)
+        if list(kinds) == [(0, None)]:
+            meta = self.model.attn.build_metadata(batch)
+        else:
+            by_kind = {(g, w): self.model.attn.build_metadata(
+                self._group_batch(scheduled, batch, g), w) for g, w in kinds}
+            meta = PerLayer(by_kind[kind] for kind in self.layer_attention)
         return self.model.forward(batch.input_ids, batch.positions, self.kv_caches, meta)
+
+    def _group_batch(self, scheduled: list[ScheduledRequest], batch: BatchTensors,
+                     group: int) -> BatchTensors:
+        """The step's tensors with KV-cache group `group`'s block tables and slot mapping.
+        Plain copies, not the stager's: its one pinned buffer may still be in flight."""
+        if group == 0:
+            return batch
+        layout = build_layout(scheduled, self.block_size, group)
+        return replace(batch, layout=layout, packed=None,
+                       slot_mapping=torch.from_numpy(layout.slot_mapping).to(self.device),
+                       block_table=torch.from_numpy(layout.block_table).to(self.device))
 
     def _row(self, req) -> SamplingRow:  # type: ignore[no-untyped-def]
         params = req.sampling_params

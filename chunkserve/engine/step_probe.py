@@ -94,9 +94,10 @@ def probe_identity(loaded: LoadedModel, config: EngineConfig) -> dict[str, str]:
 
 
 def run_probe(make_engine: Callable[[EngineConfig], _Engine], config: EngineConfig,
-              vocab_size: int) -> list[StepObservation]:
+              vocab_size: int, num_kv_groups: int = 1) -> list[StepObservation]:
     """The probe's steps on a scratch engine that `make_engine` builds over the loaded model
-    from the config given (a static budget, its own small KV pool)."""
+    from the config given (a static budget, its own small KV pool: `num_kv_groups` tables per
+    request draw from it)."""
     block = config.cache_config.block_size
     # Its own context is short: its KV pool must hold max_model_len tokens, and a 128k
     # context would make the probe allocate gigabytes for 2,048 tokens of work.
@@ -108,7 +109,8 @@ def run_probe(make_engine: Callable[[EngineConfig], _Engine], config: EngineConf
         scheduler_config=SchedulerConfig(
             max_num_batched_tokens=min(PROBE_BUDGET, max(8, 2 * (max_len - 2) // 3)),
             max_num_seqs=64),
-        cache_config=CacheConfig(block_size=block, num_kv_blocks=PROBE_TOKENS // block + 16,
+        cache_config=CacheConfig(block_size=block,
+                                 num_kv_blocks=(PROBE_TOKENS // block + 16) * num_kv_groups,
                                  enable_prefix_caching=False,
                                  kv_cache_dtype=config.cache_config.kv_cache_dtype),
     )

@@ -7,7 +7,9 @@ token's K/V goes in the paged cache (block * block_size + offset, -1 for a paddi
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -84,6 +86,16 @@ class BatchTensors:
     @property
     def max_query_len(self) -> int:
         return self.layout.max_query_len
+
+
+class PerLayer(tuple):  # type: ignore[type-arg]
+    """Attention metadata, one per layer, when layers differ in where their K/V live or how far
+    back they attend (KV-cache groups: the layers of a group share one object)."""
+
+
+def layer_metadata(meta: Any, num_layers: int) -> Sequence[Any]:
+    """Each layer's metadata from what the runner passed: one for all, or a PerLayer."""
+    return meta if isinstance(meta, PerLayer) else (meta,) * num_layers
 
 
 class DeviceStager:

@@ -107,7 +107,7 @@ def load_model(
         max_model_len = limit
     elif max_model_len > limit:
         why = ("" if config.sliding_window != limit else
-               ", capped at its sliding attention window until windowed KV caching exists")
+               ", capped at its sliding attention window: its layers do not say which slide")
         raise ValueError(
             f"max_model_len ({max_model_len}) is larger than the model's context length "
             f"({limit}{why})."

@@ -7,6 +7,7 @@ import os
 import shlex
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from chunkserve.benchlib.args import (
     add_sweep_args,
@@ -21,15 +22,16 @@ from chunkserve.benchlib.report import sweep_and_report
 from chunkserve.config import FP8_KV_CACHE_DTYPES, KV_CACHE_DTYPES
 from chunkserve.benchlib.sweep import SweepPoint
 from chunkserve.benchlib.workloads import BenchRequest, stepped_arrival_times
+from chunkserve.core.kv_groups import KVCacheGroups
 from chunkserve.sim.cost_model import (
     ATTENTION_BACKENDS,
     CostModel,
     LinearCostModel,
     RooflineCostModel,
 )
-from chunkserve.sim.fit import load_profile
+from chunkserve.sim.fit import load_profile, profile_attention_layers
 from chunkserve.sim.simulator import SimConfig, Workbench, simulate
-from chunkserve.sim.specs import get_hardware, get_model
+from chunkserve.sim.specs import get_hardware, get_model, profiled_kv_groups
 from chunkserve.sim.validate import MeasureRealRuns, run_validation
 
 
@@ -56,7 +58,7 @@ def add_target_args(p: argparse.ArgumentParser) -> None:
                         "profile file written by `chunkserve profile`")
     p.add_argument("--model", default="llama-3-8b",
                    help="a preset (llama-3-8b, llama-3-70b, llama-2-13b, mistral-7b, "
-                        "smollm2-135m) or a HF config.json")
+                        "smollm2-135m, gemma-3-270m, gemma-3-27b, ...) or a HF config.json")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="fused",
                    help="fused: prefill+decode in one call (mixed-batch penalty); split: two "
@@ -65,10 +67,35 @@ def add_target_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                    help="fp8*: one byte a K/V value (a preset's KV capacity doubles and its "
                         "decode attention reads half); auto: the model's dtype")
+    p.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
+                   help="as the engine's flag: one block table for all layers, so a "
+                        "sliding-window model's local layers keep every block (its KV capacity "
+                        "is a full-attention model's; attention still reads only the window)")
+
+
+@dataclass(frozen=True)
+class SimTarget:
+    """What --hardware/--model simulate: the step cost, the KV pool and its groups."""
+
+    cost: CostModel
+    num_kv_blocks: int
+    max_model_len: int
+    # The model's KV-cache groups (sliding-window layers free blocks); None: one group.
+    kv_cache_groups: KVCacheGroups | None = None
 
 
 def build_cost_model(args: argparse.Namespace) -> tuple[CostModel, int, int]:
     """(cost model, KV blocks, max_model_len) for --hardware/--model."""
+    target = build_target(args)
+    return target.cost, target.num_kv_blocks, target.max_model_len
+
+
+def build_target(args: argparse.Namespace) -> SimTarget:
+    """The cost model, KV pool and KV-cache groups for --hardware/--model. A sliding-window
+    model's groups size the pool (a block id is `group_size` layers, as the engine allocates
+    it) and go to the simulated scheduler, which frees what leaves a window."""
+    # Namespaces built by hand (tests, older callers) may lack the flag: the engine's default.
+    hybrid = not getattr(args, "disable_hybrid_kv_cache_manager", False)
     if os.path.isfile(args.hardware):
         if args.kv_cache_dtype != "auto":
             raise ValueError("--kv-cache-dtype applies to hardware presets: a profile was "
@@ -76,13 +103,18 @@ def build_cost_model(args: argparse.Namespace) -> tuple[CostModel, int, int]:
         prof = load_profile(args.hardware)
         blocks = args.num_kv_blocks or prof["num_kv_blocks"]
         max_len = args.max_model_len or get_model(prof["model"]).max_position_embeddings
-        return LinearCostModel(prof["coefficients"], prof["name"]), blocks, max_len
+        cost = LinearCostModel(prof["coefficients"], prof["name"],
+                               profile_attention_layers(prof))
+        groups = profiled_kv_groups(prof["model"], max_len) if hybrid else None
+        return SimTarget(cost, blocks, max_len, groups)
     hw, model = get_hardware(args.hardware), get_model(args.model)
     if args.kv_cache_dtype in FP8_KV_CACHE_DTYPES:
         model = dataclasses.replace(model, kv_dtype_bytes=1)
     cost = RooflineCostModel(hw, model, args.tensor_parallel_size, args.attention_backend)
-    blocks = args.num_kv_blocks or cost.kv_cache_blocks(args.block_size)
-    return cost, blocks, args.max_model_len or model.max_position_embeddings
+    max_len = args.max_model_len or model.max_position_embeddings
+    groups = model.kv_cache_groups(max_len) if hybrid else None
+    blocks = args.num_kv_blocks or cost.kv_cache_blocks(args.block_size, groups)
+    return SimTarget(cost, blocks, max_len, groups)
 
 
 def run_sim(args: argparse.Namespace, measure_real_runs: MeasureRealRuns | None = None) -> int:
@@ -109,12 +141,14 @@ def sim_workbench(args: argparse.Namespace, scheduler: str = "decode-first",
                   log: Callable[[str], None] = print) -> Workbench:
     """The flags' workload, cost model and arrivals (--load: a fraction of the capacity
     simulated under `scheduler`; several: a load that steps), shared by `sim` and `tune`."""
-    cost, blocks, max_len = build_cost_model(args)
+    target = build_target(args)
+    cost, max_len = target.cost, target.max_model_len
     requests = workload_lengths(args)
     check_fits(requests, max_len)
-    config = SimConfig(max_model_len=max_len, num_kv_blocks=blocks, block_size=args.block_size,
-                       max_num_seqs=args.max_num_seqs,
-                       enable_prefix_caching=args.enable_prefix_caching)
+    config = SimConfig(max_model_len=max_len, num_kv_blocks=target.num_kv_blocks,
+                       block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+                       enable_prefix_caching=args.enable_prefix_caching,
+                       kv_cache_groups=target.kv_cache_groups)
     rates = request_rates(args, lambda: simulated_capacity(scheduler, config, cost, requests),
                           log=lambda line: log(f"simulated {line}"))
     arrivals = stepped_arrival_times(len(requests), rates, args.burstiness, args.seed)

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from chunkserve.sim.cost_model import LINEAR_FEATURES, StepShape, linear_features
+from chunkserve.sim.specs import AttentionLayers
 
 
 @dataclass
@@ -22,16 +23,18 @@ class Sample:
     duration: float  # seconds
 
 
-def fit_linear(samples: Sequence[Sample],
-               family_weights: dict[str, float] | None = None) -> dict[str, float]:
+def fit_linear(samples: Sequence[Sample], family_weights: dict[str, float] | None = None,
+               attention_layers: AttentionLayers | None = None) -> dict[str, float]:
     """Non-negative least squares on relative error (each sample weighted by 1/duration).
 
     Relative weighting keeps 20 ms decode steps as important as 2 s prefill steps: TPOT is
     made of the former. `family_weights` scales a whole family (default 1). Negative
     coefficients are physically meaningless; features that want one are dropped and the rest
-    refitted (a small active-set loop).
+    refitted (a small active-set loop). `attention_layers`: a sliding-window model's kinds of
+    layer, for its windowed attention features (linear_features); None: every layer full.
     """
-    X = np.array([[linear_features(s.shape)[k] for k in LINEAR_FEATURES] for s in samples])
+    X = np.array([[linear_features(s.shape, attention_layers)[k] for k in LINEAR_FEATURES]
+                  for s in samples])
     y = np.array([s.duration for s in samples])
     # A family's weight does not grow with its sample count (1/sqrt(n) per sample), so the
     # thousands of decode steps of a live run cannot drown its few long prefills.
@@ -86,10 +89,12 @@ def robust_lstsq(X: np.ndarray, y: np.ndarray, w: np.ndarray, iterations: int = 
     return coef
 
 
-def fit_errors(samples: Sequence[Sample], coefficients: dict[str, float]) -> dict[str, float]:
+def fit_errors(samples: Sequence[Sample], coefficients: dict[str, float],
+               attention_layers: AttentionLayers | None = None) -> dict[str, float]:
     """Mean relative error of the fit, per shape family and overall."""
     def predict(shape: StepShape) -> float:
-        return sum(coefficients[k] * v for k, v in linear_features(shape).items())
+        feats = linear_features(shape, attention_layers)
+        return sum(coefficients[k] * v for k, v in feats.items())
 
     errors: dict[str, list[float]] = {}
     for s in samples:
@@ -102,6 +107,15 @@ def fit_errors(samples: Sequence[Sample], coefficients: dict[str, float]) -> dic
 def write_profile(profile_dict: dict[str, Any], path: str) -> None:
     with open(path, "w") as f:
         json.dump(profile_dict, f, indent=2)
+
+
+def profile_attention_layers(profile: dict[str, Any]) -> AttentionLayers | None:
+    """The kinds of layer a profile's features were fitted with (its "attention_layers": a list
+    of [window or null, layers]); None for a profile without, fitted with full attention."""
+    layers = profile.get("attention_layers")
+    if not layers:
+        return None
+    return tuple((None if w is None else int(w), int(n)) for w, n in layers)
 
 
 def load_profile(path: str) -> dict[str, Any]:

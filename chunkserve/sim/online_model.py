@@ -46,6 +46,7 @@ from chunkserve.core.chunk_budget import (
 from chunkserve.core.sched_output import ScheduledRequest
 from chunkserve.sim.cost_model import LINEAR_FEATURES, StepShape, linear_features, planned_shape
 from chunkserve.sim.fit import robust_lstsq
+from chunkserve.sim.specs import AttentionLayers
 
 logger = logging.getLogger(__name__)
 
@@ -60,8 +61,8 @@ def cache_dir() -> str:
         os.path.expanduser("~"), ".cache", "chunkserve")
 
 
-def _features(shape: StepShape) -> np.ndarray:
-    feats = linear_features(shape)
+def _features(shape: StepShape, layers: AttentionLayers | None = None) -> np.ndarray:
+    feats = linear_features(shape, layers)
     return np.array([feats[k] for k in LINEAR_FEATURES])
 
 
@@ -79,11 +80,14 @@ class OnlineCostModel:
     """A `core.chunk_budget.LearnedStepTime`: call it to predict, `observe` to teach it."""
 
     def __init__(self, window: int = 512, half_life: float = 128.0, refit_every: int = 16,
-                 probe_weight: float = 0.02, min_live: int = 16, cache: str | None = None
-                 ) -> None:
+                 probe_weight: float = 0.02, min_live: int = 16, cache: str | None = None,
+                 attention_layers: AttentionLayers | None = None) -> None:
         self.window, self.half_life, self.refit_every = window, half_life, refit_every
         self.probe_weight, self.min_live = probe_weight, min_live
         self.cache = cache  # folder; None: cache_dir() at warm start
+        # A sliding-window model's kinds of layer: its attention features are windowed
+        # (cost_model.linear_features). None: every layer full, the features as before.
+        self.attention_layers = attention_layers
         self.coef: np.ndarray | None = None
         self._probe: list[tuple[np.ndarray, float, str]] = []
         self._live: deque[tuple[np.ndarray, float, str]] = deque(maxlen=window)
@@ -124,7 +128,7 @@ class OnlineCostModel:
 
     def predict(self, shape: StepShape) -> float:
         assert self.coef is not None, "warm_start() first"
-        return float(_features(shape) @ self.coef)
+        return float(_features(shape, self.attention_layers) @ self.coef)
 
     @property
     def error(self) -> float:
@@ -155,7 +159,8 @@ class OnlineCostModel:
         for scheduled, duration in observations:
             shape = StepShape.from_scheduled(scheduled)
             if shape.num_tokens and duration > 0:
-                self._probe.append((_features(shape), duration, _family(shape)))
+                self._probe.append((_features(shape, self.attention_layers), duration,
+                                    _family(shape)))
                 self._largest_chunk = max(self._largest_chunk, _chunk_tokens(shape))
         if not self._probe:
             raise ValueError("the step-time probe measured no step")
@@ -168,7 +173,7 @@ class OnlineCostModel:
         shape = StepShape.from_scheduled(scheduled)
         if not shape.num_tokens or duration <= 0 or self.coef is None:
             return None
-        x = _features(shape)
+        x = _features(shape, self.attention_layers)
         predicted = float(x @ self.coef)
         self._errors.append(abs(predicted - duration) / duration)
         chunk = _chunk_tokens(shape)
@@ -232,7 +237,11 @@ class OnlineCostModel:
 
     # ---- the warm-start cache -----------------------------------------------------------------
     def _cache_path(self, identity: dict[str, str]) -> str:
-        key = json.dumps({"version": CACHE_VERSION, **identity}, sort_keys=True)
+        # Windowed features are other numbers for the same steps: another cache entry (a
+        # model without windows keeps its key, and its cached probe).
+        layers = {} if self.attention_layers is None else {
+            "attention_layers": [list(kind) for kind in self.attention_layers]}
+        key = json.dumps({"version": CACHE_VERSION, **identity, **layers}, sort_keys=True)
         digest = hashlib.sha256(key.encode()).hexdigest()[:16]
         return os.path.join(self.cache or cache_dir(), "step_model", f"{digest}.json")
 

@@ -13,6 +13,7 @@ from chunkserve.benchlib.replay import replay
 from chunkserve.benchlib.sweep import RunResult, SweepPoint
 from chunkserve.benchlib.workloads import BenchRequest
 from chunkserve.config import EngineConfig
+from chunkserve.core.kv_groups import KVCacheGroups
 from chunkserve.engine.clock import VirtualClock
 from chunkserve.engine.llm_engine import LLMEngine
 from chunkserve.engine.processor import Processor
@@ -29,6 +30,8 @@ class SimConfig:
     preemption_mode: str = "recompute"
     num_swap_blocks: int = 0
     enable_prefix_caching: bool = True
+    # The model's KV-cache groups (sliding-window layers free blocks); None: one group.
+    kv_cache_groups: KVCacheGroups | None = None
 
 
 def sim_engine(point: SweepPoint, config: SimConfig, cost_model: CostModel,
@@ -43,7 +46,8 @@ def sim_engine(point: SweepPoint, config: SimConfig, cost_model: CostModel,
         enable_prefix_caching=config.enable_prefix_caching, **point.engine_kwargs(),
         **({"step_time": planned_step_time(planner or cost_model)} if point.adaptive else {}),
     ).resolve(config.max_model_len)
-    executor = CostModelExecutor(cost_model, clock, config.num_kv_blocks, config.num_swap_blocks)
+    executor = CostModelExecutor(cost_model, clock, config.num_kv_blocks, config.num_swap_blocks,
+                                 config.kv_cache_groups)
     # No tokenizer (outputs carry no text) and no vocabulary check (placeholder tokens).
     processor = Processor(config.max_model_len, vocab_size=None)
     return LLMEngine(engine_config, executor, processor, clock.time)

@@ -2,6 +2,11 @@
 
 Hardware presets live beside this module; model presets are shared with the engine's loader
 (chunkserve/presets.py).
+
+A model that says which of its layers use a sliding window (Gemma 3's `layer_types`, or its
+older `sliding_window_pattern`) carries one window per layer: its KV-cache groups
+(core/kv_groups.py) and its attention cost follow them. One that only names a window (Mistral,
+Phi-3, Qwen2's disabled one) is simulated with full attention, as before.
 """
 from __future__ import annotations
 
@@ -9,11 +14,16 @@ import json
 import os
 import tomllib
 from dataclasses import dataclass, fields
+from functools import cached_property
 from typing import Any
 
+from chunkserve.core.kv_groups import KVCacheGroups, group_layers
+from chunkserve.layer_types import SLIDING, layer_types
 from chunkserve.presets import model_preset, model_preset_names
 
 _DATA = os.path.join(os.path.dirname(__file__), "data")
+# (window, number of layers) per kind of attention layer, full attention (None) first.
+AttentionLayers = tuple[tuple[int | None, int], ...]
 
 
 @dataclass(frozen=True)
@@ -62,6 +72,8 @@ class ModelSpec:
     head_dim: int | None = None
     dtype_bytes: int = 2  # bf16 weights (and KV, unless kv_dtype_bytes says otherwise)
     kv_dtype_bytes: int | None = None  # 1: an fp8 KV cache (--kv-cache-dtype fp8)
+    # Per layer: its sliding window, None for full attention; None: every layer full.
+    layer_windows: tuple[int | None, ...] | None = None
 
     @property
     def dim(self) -> int:
@@ -88,8 +100,31 @@ class ModelSpec:
 
     @property
     def kv_bytes_per_token(self) -> int:
+        return self.kv_bytes_per_token_of(self.num_hidden_layers)
+
+    def kv_bytes_per_token_of(self, layers: int) -> int:
+        """K and V of one token in `layers` layers."""
         elem = self.kv_dtype_bytes or self.dtype_bytes
-        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.dim * elem
+        return 2 * layers * self.num_key_value_heads * self.dim * elem
+
+    @cached_property  # read by every simulated step's cost
+    def attention_layers(self) -> AttentionLayers:
+        """How many layers attend how far: ((None, L),) for a model without windows."""
+        if self.layer_windows is None:
+            return ((None, self.num_hidden_layers),)
+        counts: dict[int | None, int] = {}
+        for window in self.layer_windows:
+            counts[window] = counts.get(window, 0) + 1
+        return tuple(sorted(counts.items(), key=lambda kv: (kv[0] is not None, kv[0] or 0)))
+
+    def kv_cache_groups(self, max_model_len: int) -> KVCacheGroups | None:
+        """The engine's KV-cache groups for this model at `max_model_len`; None (one group of
+        every layer, what SimConfig assumes without groups) when no window slides within the
+        context, as the engine's model decides (models/gemma3.py layer_windows)."""
+        windows = self.layer_windows
+        if windows is None or all(w is None or w >= max_model_len for w in windows):
+            return None
+        return group_layers(list(windows))
 
 
 def _load(file: str) -> dict[str, dict[str, Any]]:
@@ -128,13 +163,40 @@ def get_model(name_or_path: str) -> ModelSpec:
     return _spec_from_hf(os.path.basename(os.path.dirname(os.path.abspath(path))), cfg, path)
 
 
+def profiled_kv_groups(model: str, max_model_len: int) -> KVCacheGroups | None:
+    """The KV-cache groups of a profiled (or validated) model, whose `num_kv_blocks` the engine
+    sized by them. None for a model whose shape the simulator cannot read (a GGUF file has no
+    config.json here): one group, as the simulator has always assumed."""
+    try:
+        return get_model(model).kv_cache_groups(max_model_len)
+    except ValueError:
+        return None
+
+
 def _spec_from_hf(name: str, cfg: dict[str, Any], source: str) -> ModelSpec:
     # Only the shape fields: a config.json (or a preset, which also carries what the engine needs
     # to run the model: rope_theta, eps, token ids) has many keys the simulator has no use for.
-    keys = {f.name for f in fields(ModelSpec)} - {"name", "dtype_bytes", "kv_dtype_bytes"}
+    keys = {f.name for f in fields(ModelSpec)} - {"name", "dtype_bytes", "kv_dtype_bytes",
+                                                    "layer_windows"}
     try:
         values = {k: cfg[k] for k in keys if k in cfg}
         values.setdefault("num_key_value_heads", cfg["num_attention_heads"])
-        return ModelSpec(name=name, **values)
+        return ModelSpec(name=name, layer_windows=_layer_windows(cfg), **values)
     except (KeyError, TypeError) as e:
         raise ValueError(f"{source}: not a Llama-style config.json ({e})") from None
+
+
+def _layer_windows(cfg: dict[str, Any]) -> tuple[int | None, ...] | None:
+    """Each layer's window, for a config that says which layers slide (layer_types.py's rule,
+    the model code's). None: every layer full attention."""
+    window = cfg.get("sliding_window")
+    says = ({"layer_types", "sliding_window_pattern", "_sliding_window_pattern"} & set(cfg)
+            or "Gemma3ForCausalLM" in (cfg.get("architectures") or []))
+    if window is None or not says:
+        return None
+    types = layer_types(cfg)
+    if SLIDING not in types:
+        return None
+    if int(window) < 1:
+        raise ValueError(f"sliding_window must be positive, got {window}")
+    return tuple(int(window) if t == SLIDING else None for t in types)

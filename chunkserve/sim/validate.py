@@ -23,6 +23,7 @@ next to the errors:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gzip
 import json
 import os
@@ -43,8 +44,9 @@ from chunkserve.benchlib.sweep import (
     sweep_point,
 )
 from chunkserve.sim.cost_model import CostModel, LinearCostModel, StepShape, step_time
-from chunkserve.sim.fit import Sample, fit_linear, load_profile
+from chunkserve.sim.fit import Sample, fit_linear, load_profile, profile_attention_layers
 from chunkserve.sim.simulator import SimConfig, simulate
+from chunkserve.sim.specs import AttentionLayers, profiled_kv_groups
 
 COMPARED = ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "p99_e2el_ms",
             "output_throughput")
@@ -195,14 +197,18 @@ def speed_factor(cost: CostModel, steps: list[tuple[StepShape, float]]) -> float
 
 
 def scaled(cost: LinearCostModel, factor: float) -> LinearCostModel:
-    return LinearCostModel({k: v * factor for k, v in cost.coefficients.items()}, cost.name)
+    return dataclasses.replace(cost, coefficients={k: v * factor
+                                                   for k, v in cost.coefficients.items()})
 
 
-def held_out_model(runs: list[RealRun], point: SweepPoint) -> LinearCostModel:
+def held_out_model(runs: list[RealRun], point: SweepPoint,
+                   attention_layers: AttentionLayers | None = None) -> LinearCostModel:
     """The linear cost model fitted on every real step of the configurations other than
-    `point`: out of sample for `point` by construction."""
+    `point`: out of sample for `point` by construction. `attention_layers`: the profile's
+    (windowed features for a sliding-window model; None: full attention)."""
     samples = [Sample("workload", s, d) for r in runs if r.point != point for s, d in r.steps]
-    return LinearCostModel(fit_linear(samples), f"held out {point.label}")
+    return LinearCostModel(fit_linear(samples, attention_layers=attention_layers),
+                           f"held out {point.label}", attention_layers)
 
 
 def configurations(runs: list[RealRun]) -> list[SweepPoint]:
@@ -219,7 +225,8 @@ def run_costs(runs: list[RealRun], calibration: str, profile: CostModel) -> list
     if calibration == "profile":
         return [profile] * len(runs)
     points = configurations(runs)
-    models = [held_out_model(runs, point) for point in points]
+    layers = profile.attention_layers if isinstance(profile, LinearCostModel) else None
+    models = [held_out_model(runs, point, layers) for point in points]
     costs: list[CostModel] = []
     for run in runs:
         model = models[points.index(run.point)]
@@ -272,7 +279,7 @@ def run_validation(args: argparse.Namespace, measure_real_runs: MeasureRealRuns 
         raise ValueError("--validate scores static chunk sizes; run it without --chunk-policy "
                          "adaptive and without 'auto' (its saved real runs are static)")
     prof = load_profile(args.hardware)
-    cost = LinearCostModel(prof["coefficients"], prof["name"])
+    cost = LinearCostModel(prof["coefficients"], prof["name"], profile_attention_layers(prof))
     if args.real_runs:
         runs, meta = load_all_runs(args.real_runs)
     else:
@@ -285,8 +292,10 @@ def run_validation(args: argparse.Namespace, measure_real_runs: MeasureRealRuns 
         runs, meta = measure_real_runs(args, prof)
         os.makedirs(args.out, exist_ok=True)
         save_runs(os.path.join(args.out, RUNS_FILE), runs, meta)
+    # The real runs' engine grouped a sliding-window model's layers: so does the replay.
+    groups = profiled_kv_groups(meta.get("model", prof["model"]), meta["max_model_len"])
     config = SimConfig(meta["max_model_len"], meta["num_kv_blocks"], meta["block_size"],
-                       meta["max_num_seqs"])
+                       meta["max_num_seqs"], kv_cache_groups=groups)
     percentiles = parse_percentiles(args.percentiles)
     report = validate(runs, cost, config, percentiles, parse_goodput(args.goodput))
     os.makedirs(args.out, exist_ok=True)

@@ -10,6 +10,12 @@ the cache is bfloat16 and the CPU has those instructions: 2-3x PyTorch's fused S
 Elsewhere (float32, AVX2 CPUs) chunks keep the torch backend's SDPA, one call per chunk
 (docs/performance.md has the measurements). Both kernels also read fp8 caches
 (`--kv-cache-dtype fp8`), widening each value to bfloat16 or float32 exactly as they read it.
+
+A sliding window goes to both kernels as one number per call (the KV-cache group's): each
+starts a request's keys at the oldest one its queries see, so the blocks before (maybe freed,
+pointing at another request's block) are never read, and masks per query. The chunk kernel
+takes head sizes 64, 128 and 256; any other (or no AVX512_BF16) sends chunks to SDPA, windowed
+the same way (torch_backend.py).
 """
 from __future__ import annotations
 
@@ -33,10 +39,12 @@ class CpuMetadata(TorchMetadata):
     slots_ptr: int = 0
     max_slot: int = -1  # checked against the cache's rows: the copies are not bounds-checked
     decode_arrays: tuple[np.ndarray, ...] = ()  # block table [S_d, W], seq_lens, flat rows
-    decode_args: tuple[int, ...] = ()  # table address, W, seq_lens and rows addresses, S_d
+    decode_args: tuple[int, ...] = ()  # table address, W, seq_lens and rows addresses, S_d,
+    # window (0: none)
     # The same for the chunks (query runs longer than one token), for the bf16 chunk kernel:
     chunk_arrays: tuple[np.ndarray, ...] = ()  # block table [S_c, W], seq_lens, starts, lens
-    chunk_args: tuple[int, ...] = ()  # table address, W, the three arrays' addresses, S_c
+    chunk_args: tuple[int, ...] = ()  # table address, W, the three arrays' addresses, S_c,
+    # window
 
 
 def _kernel_args(layout_arrays: tuple[np.ndarray, ...]) -> tuple[tuple[np.ndarray, ...],
@@ -62,23 +70,27 @@ class CpuPagedAttention(TorchPagedAttention):
         self._write_kv.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64]
         self._write_kv.restype = None
 
-    def build_metadata(self, batch: BatchTensors) -> CpuMetadata:
+    def build_metadata(self, batch: BatchTensors,
+                       sliding_window: int | None = None) -> CpuMetadata:
         layout = batch.layout
         decode = layout.query_lens == 1
+        window = sliding_window or 0  # the kernels' "none"
         # Spans only for the chunks, which the SDPA loop may attend (float32, no chunk kernel);
         # the decodes go to the kernel, and spans for them cost ~10 us each a step.
-        chunks = self._spans(batch, np.flatnonzero(~decode).tolist())
+        chunks = self._spans(batch, np.flatnonzero(~decode).tolist(), sliding_window)
         slots = np.ascontiguousarray(layout.slot_mapping, dtype=np.int64)
         meta = CpuMetadata(batch.slot_mapping, chunks, slots=slots, slots_ptr=slots.ctypes.data,
                            max_slot=int(slots.max()) if slots.size else -1)
         starts = layout.query_start_loc[:-1]
         if decode.any():
-            meta.decode_arrays, meta.decode_args = _kernel_args((
+            meta.decode_arrays, args = _kernel_args((
                 layout.block_table[decode], layout.seq_lens[decode], starts[decode]))
+            meta.decode_args = (*args, window)
         if chunks and self._chunk_kernel is not None:
-            meta.chunk_arrays, meta.chunk_args = _kernel_args((
+            meta.chunk_arrays, args = _kernel_args((
                 layout.block_table[~decode], layout.seq_lens[~decode], starts[~decode],
                 layout.query_lens[~decode]))
+            meta.chunk_args = (*args, window)
         return meta
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,

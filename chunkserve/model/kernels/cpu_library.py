@@ -29,14 +29,14 @@ LDFLAGS = ["-shared", "-fopenmp"]
 
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 # out, q, k_cache, v_cache, bf16, kv_kind, block_table, table_width, seq_lens, rows, num_seqs,
-# heads, kv_heads, head_dim, block_size, scale, num_threads
+# window (0: none), heads, kv_heads, head_dim, block_size, scale, num_threads
 ARGTYPES = [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64,
-            _i64, _f32, _i64]
+            _i64, _i64, _f32, _i64]
 
 # out, q, k_cache, v_cache, kv_kind, block_table, table_width, seq_lens, q_starts, q_lens,
-# num_seqs, heads, kv_heads, head_dim, block_size, scale, num_threads
+# num_seqs, window (0: none), heads, kv_heads, head_dim, block_size, scale, num_threads
 CHUNK_ARGTYPES = [_ptr, _ptr, _ptr, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64,
-                  _i64, _i64, _f32, _i64]
+                  _i64, _i64, _i64, _f32, _i64]
 
 # How the kernels are told an array's storage (kernels/csrc/storage.h's KIND_*).
 STORAGE_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2,
@@ -156,7 +156,7 @@ def load_group_gemm() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
 
 def load_chunk_bf16(head_dim: int) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     """The bfloat16 prefill-chunk attention entry point (chunk_attention_bf16.c), or None where
-    this build does not have it (no AVX512_BF16) or not for this head size."""
+    this build does not have it (no AVX512_BF16) or not for this head size (64, 128, 256)."""
     lib = library()
     lib.chunk_attention_bf16_supported.argtypes = [_i64]
     if not lib.chunk_attention_bf16_supported(head_dim):

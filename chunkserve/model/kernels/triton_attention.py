@@ -6,6 +6,11 @@ block table, so there is no gather, no per-request Python loop and no repeat of 
 one program handles a tile of query tokens times all query heads that share a KV head.
 `reshape_and_cache` writes the step's new K/V into the paged cache by slot mapping.
 
+A sliding window (WINDOW > 0, a compile-time constant: 0 compiles exactly the full-attention
+kernel) hides keys more than WINDOW - 1 before a query; each program's key loop starts at its
+first query's oldest visible key, so the blocks before it (which the KV cache may have freed,
+their table entries pointing at another request's block) are never read.
+
 The design follows vLLM V1's unified Triton attention (query_start_loc, seq_lens, block_table;
 grid over "query blocks" found by a binary search). Every input is a device tensor of fixed
 shape, and launch sizes depend only on shapes, so both kernels can be captured in CUDA graphs.
@@ -105,6 +110,7 @@ def _unified_attention_kernel(
     BLOCK_Q: tl.constexpr,
     TILE_N: tl.constexpr,  # keys per inner iteration (may span several KV blocks)
     INPUT_PRECISION: tl.constexpr,
+    WINDOW: tl.constexpr,  # sliding window in tokens; 0: full attention
 ):
     q_block_id = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -131,6 +137,7 @@ def _unified_attention_kernel(
         mask=row_ok[:, None] & d_ok[None, :], other=0.0,
     )
     q_pos = prefix + q_tok  # each row's absolute position: it sees keys 0..q_pos
+    # (or q_pos - WINDOW + 1 .. q_pos with a window)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -138,7 +145,12 @@ def _unified_attention_kernel(
     # Causality bounds the loop: no row of this block sees past its last token.
     kv_end = prefix + tl.minimum(q_len, (q_block + 1) * BLOCK_Q)
     bt_row = block_table_ptr + seq.to(tl.int64) * stride_bt
-    for start_n in range(0, kv_end, TILE_N):
+    kv_begin = 0
+    if WINDOW > 0:
+        # The block's first row sees the oldest key any row does: start the loop there.
+        # (int32 like the 0 above, should WINDOW be compiled as a run-time value.)
+        kv_begin = tl.maximum(prefix + q_block * BLOCK_Q - WINDOW + 1, 0).to(tl.int32)
+    for start_n in range(kv_begin, kv_end, TILE_N):
         n = start_n + tl.arange(0, TILE_N)
         n_ok = n < kv_end
         block = tl.load(bt_row + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
@@ -150,6 +162,8 @@ def _unified_attention_kernel(
         )  # [HEAD_DIM_P2, TILE_N]
         s = tl.dot(q, k, input_precision=INPUT_PRECISION) * scale
         visible = row_ok[:, None] & n_ok[None, :] & (n[None, :] <= q_pos[:, None])
+        if WINDOW > 0:
+            visible = visible & (q_pos[:, None] - n[None, :] < WINDOW)
         s = tl.where(visible, s, float("-inf"))
         # Online softmax; a row that has seen no key yet keeps max -inf, so shift by 0 there
         # to avoid (-inf) - (-inf).
@@ -205,6 +219,7 @@ def unified_attention(
     query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
     max_query_len: int,
     scale: float,
+    window: int = 0,  # sliding window in tokens; 0: full attention
 ) -> None:
     T, heads, head_dim = q.shape
     kv_heads = k_cache.shape[2]
@@ -224,5 +239,5 @@ def unified_attention(
         block_table.stride(0),
         GROUP=group, HEAD_DIM=head_dim, HEAD_DIM_P2=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=tile_n,
-        INPUT_PRECISION=precision, num_warps=num_warps,
+        INPUT_PRECISION=precision, WINDOW=window, num_warps=num_warps,
     )

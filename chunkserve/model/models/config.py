@@ -36,7 +36,8 @@ class DecoderConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     # The HF class name of the architecture (models/registry.py maps it to ours).
     architecture: str = DEFAULT_ARCHITECTURE
-    # The attention window that capped the context (limit_to_window), or None.
+    # The sliding attention window (limit_to_window): of the `layer_types` layers that slide,
+    # or of every layer, then also the context's cap. None: full attention.
     sliding_window: int | None = None
     # Fields only some architectures read (their `configure` sets them; HF's names):
     # each layer's attention, "full_attention" or "sliding_attention" (Gemma 3); None: all full.
@@ -68,15 +69,23 @@ class DecoderConfig:
                                                original_max_position_embeddings, self.rotary_dim)
 
     def limit_to_window(self, window: int | None) -> None:
-        """A sliding attention window as a context limit: up to the window, sliding-window
-        attention is full attention, so capping the context keeps the model exact instead of
-        silently attending too far back."""
-        if window is not None and window < self.max_position_embeddings:
+        """A sliding attention window. A model that says which layers slide (`layer_types`:
+        Gemma 3) keeps its whole context: those layers' KV is a sliding-window KV-cache group
+        (core/kv_groups.py). One that does not (a window on every layer, or a rule we do not
+        model, as Qwen2's max_window_layers) is capped at the window instead: up to the window,
+        sliding-window attention is full attention, so the model stays exact."""
+        if window is None:
+            return
+        if window < 1:
+            raise ValueError(f"sliding_window must be a positive number of tokens, got {window}.")
+        self.sliding_window = int(window)
+        if self.layer_types and "sliding_attention" in self.layer_types:
+            return
+        if window < self.max_position_embeddings:
             logger.info("%s: context capped at the sliding window, %d tokens (from %d): up to "
                         "the window, full attention is exact.", self.architecture, window,
                         self.max_position_embeddings)
             self.max_position_embeddings = int(window)
-            self.sliding_window = int(window)
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any], architecture: str = DEFAULT_ARCHITECTURE

@@ -20,31 +20,17 @@ from typing import Any
 
 import torch
 
+from chunkserve.layer_types import FULL, SLIDING, layer_types
 from chunkserve.model.attention.backend import AttentionBackend
+from chunkserve.model.batch import layer_metadata
 from chunkserve.model.layers.layer_ops import LayerOps, gelu_tanh_and_mul
 from chunkserve.model.layers.rotary import RotaryEmbedding
 from chunkserve.model.models.config import DecoderConfig
 from chunkserve.model.models.llama import LlamaForCausalLM, Weights
 
-SLIDING, FULL = "sliding_attention", "full_attention"
 # transformers' defaults for fields a Gemma 3 config.json may leave out.
-DEFAULT_PATTERN, DEFAULT_SCALAR = 6, 256.0
+DEFAULT_SCALAR = 256.0
 DEFAULT_GLOBAL_THETA, DEFAULT_LOCAL_THETA = 1_000_000.0, 10_000.0
-
-
-def layer_types(hf: dict[str, Any]) -> list[str]:
-    """Each layer's attention: `layer_types`, else every `sliding_window_pattern`-th layer full
-    and the rest sliding (transformers' rule for configs written before layer_types)."""
-    n = hf["num_hidden_layers"]
-    types = hf.get("layer_types")
-    if types is None:
-        pattern = hf.get("sliding_window_pattern") or hf.get("_sliding_window_pattern") \
-            or DEFAULT_PATTERN
-        types = [SLIDING if (i + 1) % pattern else FULL for i in range(n)]
-    if len(types) != n or not set(types) <= {SLIDING, FULL}:
-        raise ValueError(f"layer_types must list {n} entries of {SLIDING!r} or {FULL!r}, "
-                         f"got {types!r}.")
-    return list(types)
 
 
 def _rope_settings(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None, float]:
@@ -126,18 +112,26 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         # As in Llama: a float32 residual stream, each add done by the norm that follows it.
         h = (self.embed[input_ids] * self.embed_scale).float()
         delta = None
-        for layer, sliding, (k_cache, v_cache) in zip(self.layers, self.is_sliding, kv_caches):
+        metas = layer_metadata(meta, len(self.layers))
+        for layer, sliding, (k_cache, v_cache), layer_meta in zip(
+                self.layers, self.is_sliding, kv_caches, metas):
             x = ops.add_rms_norm(h, delta, layer.input_norm, eps, self.dtype)
             cos, sin = local_rope if sliding else global_rope
             q, k, v = ops.rope_split_qkv(layer.qkv(x), cos, sin, self.num_heads,
                                          self.num_kv_heads, self.head_dim, layer.qk_norm, eps)
-            attn = self.attn.forward(q, k, v, k_cache, v_cache, meta)
+            attn = self.attn.forward(q, k, v, k_cache, v_cache, layer_meta)
             delta = self._post_norm(layer.o(attn), layer.post_norm)
             x = ops.add_rms_norm(h, delta, layer.extra_norms["pre_feedforward_layernorm"], eps,
                                  self.dtype)
             mlp_out = layer.down(gelu_tanh_and_mul(layer.gate_up(x)))
             delta = self._post_norm(mlp_out, layer.extra_norms["post_feedforward_layernorm"])
         return ops.add_rms_norm(h, delta, self.norm, eps, self.dtype)
+
+    def layer_windows(self) -> list[int | None]:
+        window = self.cfg.sliding_window
+        if window is None or window >= self.rope.max_positions:
+            return [None] * len(self.layers)  # the window never slides within the context
+        return [window if sliding else None for sliding in self.is_sliding]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

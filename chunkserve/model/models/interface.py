@@ -22,7 +22,12 @@ class CausalLM(Protocol):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: Any) -> torch.Tensor:
-        """The final-norm hidden states of a flat step, [T, hidden]."""
+        """The final-norm hidden states of a flat step, [T, hidden]. `meta`: the attention
+        backend's metadata for every layer, or a `PerLayer` of one per layer."""
+        ...
+
+    def layer_windows(self) -> list[int | None]:
+        """Each layer's sliding attention window (None: full attention): its KV-cache group."""
         ...
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

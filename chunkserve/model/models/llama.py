@@ -19,6 +19,7 @@ import torch
 
 from chunkserve.model.attention.backend import AttentionBackend
 from chunkserve.model.attention.torch_backend import TorchPagedAttention
+from chunkserve.model.batch import layer_metadata
 from chunkserve.model.layers.layer_ops import LayerOps, TorchLayerOps
 from chunkserve.model.layers.linear import Linear, make_linear
 from chunkserve.model.layers.linear_int4 import Int4Linear
@@ -201,11 +202,12 @@ class LlamaForCausalLM:
         # Each residual add is done by the norm that follows it (one pass instead of two).
         h = self.embed[input_ids].float()
         mlp_out = None
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+        metas = layer_metadata(meta, len(self.layers))
+        for layer, (k_cache, v_cache), layer_meta in zip(self.layers, kv_caches, metas):
             x = ops.add_rms_norm(h, mlp_out, layer.input_norm, eps, self.dtype)
             q, k, v = ops.rope_split_qkv(layer.qkv(x), cos, sin, self.num_heads,
                                          self.num_kv_heads, self.head_dim, layer.qk_norm, eps)
-            attn = self.attn.forward(q, k, v, k_cache, v_cache, meta)
+            attn = self.attn.forward(q, k, v, k_cache, v_cache, layer_meta)
             x = ops.add_rms_norm(h, layer.o(attn), layer.post_norm, eps, self.dtype)
             mlp_out = layer.down(ops.silu_and_mul(layer.gate_up(x)))
         return ops.add_rms_norm(h, mlp_out, self.norm, eps, self.dtype)
@@ -213,3 +215,7 @@ class LlamaForCausalLM:
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
+
+    def layer_windows(self) -> list[int | None]:
+        # Full attention everywhere: a model with a window is capped to it (limit_to_window).
+        return [None] * len(self.layers)

@@ -17,7 +17,11 @@
  *   - P.V: vdpbf16ps again, two keys a multiply: V rows interleaved by key pairs, P rounded to
  *     bf16 pairs (as flash attention rounds P to its inputs' type; the row sums stay float32);
  *   - causal, aligned to the bottom right: query i of a chunk of T after a prefix of
- *     start = seq_len - T tokens sees keys 0..start+i; only steps on the diagonal are masked.
+ *     start = seq_len - T tokens sees keys 0..start+i; only steps on the diagonal are masked;
+ *   - a sliding window (`window` > 0) also hides keys more than window - 1 before a query: a
+ *     task's key loop starts at its first row's oldest visible key (so the blocks before it,
+ *     which the KV cache may have freed, are never read) and the steps at the window's edge
+ *     are masked per row too.
  * Tasks go to threads with a dynamic schedule, each chunk's longest (last) tiles first.
  * Against PyTorch's SDPA on a Zen 5: ~4x the attention FLOP rate (docs/performance.md).
  *
@@ -26,6 +30,7 @@
  *   q, out       [T, heads, head_dim]; chunk s owns rows q_starts[s] .. + q_lens[s]
  *   k/v_cache    [num_blocks, block_size, kv_heads, head_dim]
  *   block_table  [num_seqs, table_width] int64; seq_lens, q_starts, q_lens [num_seqs] int64
+ *   head_dim     64, 128 or 256
  * Returns 0; 1 if a buffer could not be allocated; 2 if this build or head_dim is not supported
  * (chunk_attention_bf16_supported says which beforehand).
  */
@@ -37,6 +42,7 @@
 
 #define TILE 16 /* query rows of a task = float32 lanes of a vector = keys a score pass holds */
 #define KEYS 32 /* keys per online-softmax step: two score passes */
+#define MAX_D 256 /* the largest head size (Gemma 3's) */
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
@@ -48,6 +54,7 @@ typedef struct {
     uint16_t *out;
     const int64_t *block_table, *seq_lens, *q_starts, *q_lens;
     int64_t table_width, heads, kv_heads, block_size;
+    int64_t window; /* 0: none */
     float scale;
     int kv_kind;
 } Chunks;
@@ -102,14 +109,24 @@ load_kv(const Chunks *c, const int64_t D, const int kind, const int64_t *table, 
     }
 }
 
-/* Lane i (query at position pos0 + i) sees key j iff j <= pos0 + i; keys past n are padding. */
-static inline __attribute__((always_inline)) __mmask16 causal_lanes(int64_t j, int64_t pos0,
-                                                                    int64_t jj, int64_t n)
+/* Lane i (query at position pos0 + i) sees key j iff j <= pos0 + i, and with a window also
+ * pos0 + i - j < window; keys past n are padding. */
+static inline __attribute__((always_inline)) __mmask16 visible_lanes(int64_t j, int64_t pos0,
+                                                                     int64_t jj, int64_t n,
+                                                                     int64_t window)
 {
-    const int64_t first_lane = j - pos0;
+    const int64_t first_lane = j - pos0; /* lanes before it are earlier queries: causal */
     if (jj >= n || first_lane >= TILE)
         return 0;
-    return first_lane <= 0 ? (__mmask16)0xFFFF : (__mmask16)(0xFFFFu << first_lane);
+    uint32_t lanes = first_lane <= 0 ? 0xFFFFu : 0xFFFFu << first_lane;
+    if (window > 0) { /* lanes from first_lane + window on are too far past key j */
+        const int64_t end_lane = first_lane + window;
+        if (end_lane <= 0)
+            return 0;
+        if (end_lane < TILE)
+            lanes &= (1u << end_lane) - 1;
+    }
+    return (__mmask16)lanes;
 }
 
 /* Scores of keys kt[0..TILE) for the task's rows (qp: [D/2, TILE] bf16 pairs), scaled, the
@@ -159,7 +176,7 @@ attend_keys(const int64_t D, const HeadState *st, const uint16_t *kt, const uint
             const __mmask16 *km, int64_t n, int64_t rows, float scale)
 {
     enum { RB = 4 }; /* rows whose outputs a P·V pass holds: RB * D/16 <= 16 vectors */
-    const int64_t rows_per_pass = D == 64 ? RB : RB / 2;
+    const int64_t rows_per_pass = D == 64 ? RB : D == 128 ? RB / 2 : RB / 4;
     float sc[KEYS * TILE] __attribute__((aligned(64)));        /* [key, row] scores */
     uint32_t pp[KEYS / 2 * TILE] __attribute__((aligned(64))); /* [key pair, row] bf16 pairs */
     float ab[TILE] __attribute__((aligned(64)));
@@ -193,22 +210,23 @@ attend_keys(const int64_t D, const HeadState *st, const uint16_t *kt, const uint
     _mm512_store_ps(ab, alpha);
     /* o[i] = o[i] * alpha[i] + sum over key pairs of (p[2k][i], p[2k+1][i]) . vp[k]. */
     const int64_t pairs = (n + 1) / 2;
+    const int64_t vecs = D / 16; /* a row's output vectors: rows_per_pass * vecs == 16 */
     for (int64_t i = 0; i < rows; i += rows_per_pass) {
-        __m512 acc[RB][128 / 16];
+        __m512 acc[16];
         for (int64_t r = 0; r < rows_per_pass; r++)
-            for (int64_t d = 0; d < D / 16; d++)
-                acc[r][d] = _mm512_mul_ps(_mm512_load_ps(st->o + (i + r) * D + d * 16),
-                                          _mm512_set1_ps(ab[i + r]));
+            for (int64_t d = 0; d < vecs; d++)
+                acc[r * vecs + d] = _mm512_mul_ps(_mm512_load_ps(st->o + (i + r) * D + d * 16),
+                                                  _mm512_set1_ps(ab[i + r]));
         for (int64_t k = 0; k < pairs; k++)
-            for (int64_t d = 0; d < D / 16; d++) {
+            for (int64_t d = 0; d < vecs; d++) {
                 const __m512bh vv = (__m512bh)_mm512_load_si512(vp + k * D + d * 16);
                 for (int64_t r = 0; r < rows_per_pass; r++)
-                    acc[r][d] = _mm512_dpbf16_ps(
-                        acc[r][d], (__m512bh)_mm512_set1_epi32(pp[k * TILE + i + r]), vv);
+                    acc[r * vecs + d] = _mm512_dpbf16_ps(
+                        acc[r * vecs + d], (__m512bh)_mm512_set1_epi32(pp[k * TILE + i + r]), vv);
             }
         for (int64_t r = 0; r < rows_per_pass; r++)
-            for (int64_t d = 0; d < D / 16; d++)
-                _mm512_store_ps(st->o + (i + r) * D + d * 16, acc[r][d]);
+            for (int64_t d = 0; d < vecs; d++)
+                _mm512_store_ps(st->o + (i + r) * D + d * 16, acc[r * vecs + d]);
     }
 }
 
@@ -221,11 +239,13 @@ attend_tile(const Chunks *c, const int64_t D, const int kind, int64_t s, int64_t
 {
     const int64_t T = c->q_lens[s], pos0 = c->seq_lens[s] - T + i0;
     const int64_t rows = T - i0 < TILE ? T - i0 : TILE;
-    const int64_t kv_end = pos0 + rows; /* the last row sees keys [0, kv_end) */
+    const int64_t kv_end = pos0 + rows; /* the last row sees keys [.., kv_end) */
+    /* The first row's oldest visible key: no row sees one before it (nor reads its block). */
+    const int64_t kv_begin = c->window > 0 && pos0 >= c->window ? pos0 - c->window + 1 : 0;
     const int64_t group = c->heads / c->kv_heads, q_row = c->heads * D;
     const int64_t *table = c->block_table + s * c->table_width;
-    uint16_t kt[KEYS * 128] __attribute__((aligned(64)));
-    uint32_t vp[KEYS / 2 * 128] __attribute__((aligned(64)));
+    uint16_t kt[KEYS * MAX_D] __attribute__((aligned(64)));
+    uint32_t vp[KEYS / 2 * MAX_D] __attribute__((aligned(64)));
 
     for (int64_t g = 0; g < group; g++) {
         const HeadState st = head_state(buf, D, g);
@@ -240,12 +260,12 @@ attend_tile(const Chunks *c, const int64_t D, const int kind, int64_t s, int64_t
         _mm512_store_ps(st.m, _mm512_set1_ps(-1e30f));
         _mm512_store_ps(st.l, _mm512_setzero_ps());
     }
-    for (int64_t j0 = 0; j0 < kv_end; j0 += KEYS) {
+    for (int64_t j0 = kv_begin; j0 < kv_end; j0 += KEYS) {
         const int64_t n = kv_end - j0 < KEYS ? kv_end - j0 : KEYS;
         load_kv(c, D, kind, table, kvh, j0, n, kt, vp);
         __mmask16 km[KEYS];
         for (int jj = 0; jj < KEYS; jj++)
-            km[jj] = causal_lanes(j0 + jj, pos0, jj, n);
+            km[jj] = visible_lanes(j0 + jj, pos0, jj, n, c->window);
         for (int64_t g = 0; g < group; g++) {
             const HeadState st = head_state(buf, D, g);
             attend_keys(D, &st, kt, vp, km, n, rows, c->scale);
@@ -269,15 +289,15 @@ attend_tile(const Chunks *c, const int64_t D, const int kind, int64_t s, int64_t
 
 int chunk_attention_bf16_supported(int64_t head_dim)
 {
-    return HAVE_CHUNK_KERNEL && (head_dim == 64 || head_dim == 128);
+    return HAVE_CHUNK_KERNEL && (head_dim == 64 || head_dim == 128 || head_dim == 256);
 }
 
 int chunk_attention_bf16(void *out, const void *q, const void *k_cache, const void *v_cache,
                          int64_t kv_kind, const int64_t *block_table, int64_t table_width,
                          const int64_t *seq_lens,
                          const int64_t *q_starts, const int64_t *q_lens, int64_t num_seqs,
-                         int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
-                         float scale, int64_t num_threads)
+                         int64_t window, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                         int64_t block_size, float scale, int64_t num_threads)
 {
     if (!chunk_attention_bf16_supported(head_dim))
         return 2;
@@ -285,7 +305,7 @@ int chunk_attention_bf16(void *out, const void *q, const void *k_cache, const vo
     if (kv_kind == KIND_F32)
         return 2;
     const Chunks c = {q, k_cache, v_cache, out, block_table, seq_lens, q_starts, q_lens,
-                      table_width, heads, kv_heads, block_size, scale, (int)kv_kind};
+                      table_width, heads, kv_heads, block_size, window, scale, (int)kv_kind};
     int64_t *first = malloc(sizeof(int64_t) * (num_seqs + 1)); /* chunk s's first task */
     if (first == NULL)
         return 1;
@@ -318,8 +338,10 @@ int chunk_attention_bf16(void *out, const void *q, const void *k_cache, const vo
     else TILE_CASE(d, KIND_FP8_E5M2)
             if (head_dim == 64) {
                 BY_KIND(64);
-            } else {
+            } else if (head_dim == 128) {
                 BY_KIND(128);
+            } else {
+                BY_KIND(256);
             }
 #undef BY_KIND
 #undef TILE_CASE

@@ -7,10 +7,14 @@
  * token's K (then V) row for every KV head read contiguously, and leaves a partial softmax
  * (max, sum, unnormalised output) that a second loop merges per decode. Decode attention is
  * bound by reading K and V; the loops run over head_dim on contiguous rows and are left to the
- * compiler to vectorize (-O3 -ffast-math -march=native; head_dim 64 and 128 are compiled as
- * constants; glibc's vector expf for the softmax). bfloat16 caches with head_dim 64 or 128 on
- * a CPU with AVX512_BF16 take a hand-vectorized path instead (paged_decode_bf16.h: 2x faster
- * on a Zen 5, where the generic loop reached 8 GB/s of K/V).
+ * compiler to vectorize (-O3 -ffast-math -march=native; head_dim 64, 128 and 256 are compiled
+ * as constants; glibc's vector expf for the softmax). bfloat16 caches with head_dim 64, 128 or
+ * 256 on a CPU with AVX512_BF16 take a hand-vectorized path instead (paged_decode_bf16.h: 2x
+ * faster on a Zen 5, where the generic loop reached 8 GB/s of K/V).
+ *
+ * A sliding window (`window` > 0, Gemma 3's local layers) limits a decode to its last `window`
+ * tokens: its parts start there, so the blocks before (which the KV cache may have freed and
+ * the block table then points at another request's block) are never read.
  *
  * Tasks are spread with OpenMP. The library is linked against libgomp.so.1, which PyTorch has
  * already loaded (its wheels ship one under that soname), so the kernel runs on PyTorch's own
@@ -23,6 +27,7 @@
  *   q, out       [T, heads, head_dim]; decode s reads/writes row rows[s]
  *   k/v_cache    [num_blocks, block_size, kv_heads, head_dim]
  *   block_table  [num_seqs, table_width] int64; seq_lens, rows [num_seqs] int64
+ *   window       tokens a decode attends back, itself included; 0: all of them
  */
 #include <math.h>
 #include <stdint.h>
@@ -108,7 +113,8 @@ static void attend_part_generic(const Cache *c, int64_t D, int kv_kind, const fl
 {
 #define CASE(d, k) attend_part(c, d, k, qf, table, begin, end, scores, m, l, acc)
 #define BY_HEAD_SIZE(k) \
-    if (D == 64) CASE(64, k); else if (D == 128) CASE(128, k); else CASE(D, k)
+    if (D == 64) CASE(64, k); else if (D == 128) CASE(128, k); \
+    else if (D == 256) CASE(256, k); else CASE(D, k)
     switch (kv_kind) {
     case KIND_F32: BY_HEAD_SIZE(KIND_F32); break;
     case KIND_BF16: BY_HEAD_SIZE(KIND_BF16); break;
@@ -130,6 +136,8 @@ static void attend_part_any(const Cache *c, int64_t D, int bf16, int kv_kind, co
         return attend_part_bf16(c, 64, kv_kind, q, table, begin, end, scores, m, l, acc, run);
     if (bf16 && kv_kind != KIND_F32 && D == 128)
         return attend_part_bf16(c, 128, kv_kind, q, table, begin, end, scores, m, l, acc, run);
+    if (bf16 && kv_kind != KIND_F32 && D == 256)
+        return attend_part_bf16(c, 256, kv_kind, q, table, begin, end, scores, m, l, acc, run);
 #endif
     (void)run;
     for (int64_t i = 0; i < c->heads * D; i++)
@@ -159,22 +167,31 @@ static void merge_parts(void *out, int bf16, int64_t parts, int64_t heads, int64
     }
 }
 
+/* The first token a decode of seq_len tokens attends: the window's oldest, or 0. */
+static inline int64_t first_token(int64_t seq_len, int64_t window)
+{
+    return window > 0 && seq_len > window ? seq_len - window : 0;
+}
+
 /* Tokens a part: PART, or fewer when there are few decodes, so that every thread gets
  * MIN_TASKS_PER_THREAD parts (one decode of 554 tokens in 256-token parts is 3 tasks: one of 2
  * threads would do two). Fills first[s], the index of decode s's first part (parts are
- * numbered decode by decode; first[num_seqs] = the number of parts). */
-static int64_t plan_parts(const int64_t *seq_lens, int64_t num_seqs, int64_t num_threads,
-                          int64_t *first)
+ * numbered decode by decode; first[num_seqs] = the number of parts). Only the tokens a decode
+ * attends (its window) count. */
+static int64_t plan_parts(const int64_t *seq_lens, int64_t num_seqs, int64_t window,
+                          int64_t num_threads, int64_t *first)
 {
     int64_t total = 0;
     for (int64_t s = 0; s < num_seqs; s++)
-        total += seq_lens[s];
+        total += seq_lens[s] - first_token(seq_lens[s], window);
     const int64_t want = MIN_TASKS_PER_THREAD * num_threads;
     int64_t part = (total + want - 1) / want;
     part = part < MIN_PART ? MIN_PART : part > PART ? PART : part;
     first[0] = 0;
-    for (int64_t s = 0; s < num_seqs; s++)
-        first[s + 1] = first[s] + (seq_lens[s] + part - 1) / part;
+    for (int64_t s = 0; s < num_seqs; s++) {
+        const int64_t n = seq_lens[s] - first_token(seq_lens[s], window);
+        first[s + 1] = first[s] + (n + part - 1) / part;
+    }
     return part;
 }
 
@@ -182,15 +199,15 @@ int paged_decode_attention(void *out, const void *q, const void *k_cache, const 
                            int64_t bf16, int64_t kv_kind, const int64_t *block_table,
                            int64_t table_width,
                            const int64_t *seq_lens, const int64_t *rows, int64_t num_seqs,
-                           int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
-                           float scale, int64_t num_threads)
+                           int64_t window, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                           int64_t block_size, float scale, int64_t num_threads)
 {
     const Cache c = {k_cache, v_cache, heads, kv_heads, block_size, scale};
     const int64_t row_stride = heads * head_dim;
     int64_t *first = malloc(sizeof(int64_t) * (num_seqs + 1));
     if (first == NULL)
         return 1;
-    const int64_t part = plan_parts(seq_lens, num_seqs, num_threads, first);
+    const int64_t part = plan_parts(seq_lens, num_seqs, window, num_threads, first);
     const int64_t tasks = first[num_seqs];
     float *m = malloc(sizeof(float) * tasks * heads), *l = malloc(sizeof(float) * tasks * heads);
     float *acc = malloc(sizeof(float) * tasks * heads * head_dim);
@@ -226,7 +243,7 @@ int paged_decode_attention(void *out, const void *q, const void *k_cache, const 
                 s++;
             while (first[s] > t)
                 s--;
-            const int64_t begin = (t - first[s]) * part;
+            const int64_t begin = first_token(seq_lens[s], window) + (t - first[s]) * part;
             const int64_t end = begin + part < seq_lens[s] ? begin + part : seq_lens[s];
             attend_part_any(&c, head_dim, bf16, kv_kind,
                             (const char *)q + rows[s] * row_stride * elem, qf, run,

@@ -77,40 +77,45 @@ score_run(const Cache *c, const int64_t D, const uint16_t *q, const uint16_t *k,
 }
 
 /* acc[hq] += sum over the run's n tokens of p[hq * PART + i] * v[token i], for every query
- * head; `heads_per_pass` query heads of one KV head at a time, their accumulators in registers. */
+ * head; `heads_per_pass` query heads of one KV head at a time, their accumulators in registers.
+ * Head sizes over 128 (Gemma 3's 256) go in slices of 128 columns: a whole row of 256 would
+ * take 16 accumulators and 16 widened V vectors, every one of the 32 registers and more. */
 static inline __attribute__((always_inline)) void
 accumulate_run(const Cache *c, const int64_t D, const uint16_t *v, int64_t n, const float *p,
                float *acc)
 {
-    enum { MAX_VECS = 8 }; /* head_dim 128 */
-    const int64_t group = c->heads / c->kv_heads, row = c->kv_heads * D, vecs = D / 16;
+    enum { MAX_VECS = 8 }; /* a slice of 128 columns */
+    const int64_t group = c->heads / c->kv_heads, row = c->kv_heads * D;
+    const int64_t width = D < 16 * MAX_VECS ? D : 16 * MAX_VECS, vecs = width / 16;
     const int64_t heads_per_pass = ACC_VECTORS / vecs;
-    for (int64_t kh = 0; kh < c->kv_heads; kh++) {
-        for (int64_t g0 = 0; g0 < group; g0 += heads_per_pass) {
-            const int64_t h0 = kh * group + g0;
-            const int64_t nh = group - g0 < heads_per_pass ? group - g0 : heads_per_pass;
-            __m512 a[ACC_VECTORS];
-            for (int h = 0; h < ACC_VECTORS / vecs; h++)
-                for (int e = 0; e < vecs; e++)
-                    a[h * vecs + e] = h < nh ? _mm512_loadu_ps(acc + (h0 + h) * D + 16 * e)
-                                             : _mm512_setzero_ps();
-            for (int64_t i = 0; i < n; i++) {
-                __m512 x[MAX_VECS];
-                for (int e = 0; e < vecs; e++)
-                    x[e] = load_bf16_ps(v + i * row + kh * D + 16 * e);
-                for (int h = 0; h < ACC_VECTORS / vecs; h++) {
-                    if (h >= nh)
-                        break;
-                    const __m512 w = _mm512_set1_ps(p[(h0 + h) * PART + i]);
+    for (int64_t kh = 0; kh < c->kv_heads; kh++)
+        for (int64_t c0 = 0; c0 < D; c0 += width)
+            for (int64_t g0 = 0; g0 < group; g0 += heads_per_pass) {
+                const int64_t h0 = kh * group + g0;
+                const int64_t nh = group - g0 < heads_per_pass ? group - g0 : heads_per_pass;
+                float *out = acc + h0 * D + c0;
+                const uint16_t *vs = v + kh * D + c0;
+                __m512 a[ACC_VECTORS];
+                for (int h = 0; h < ACC_VECTORS / vecs; h++)
                     for (int e = 0; e < vecs; e++)
-                        a[h * vecs + e] = _mm512_fmadd_ps(w, x[e], a[h * vecs + e]);
+                        a[h * vecs + e] = h < nh ? _mm512_loadu_ps(out + h * D + 16 * e)
+                                                 : _mm512_setzero_ps();
+                for (int64_t i = 0; i < n; i++) {
+                    __m512 x[MAX_VECS];
+                    for (int e = 0; e < vecs; e++)
+                        x[e] = load_bf16_ps(vs + i * row + 16 * e);
+                    for (int h = 0; h < ACC_VECTORS / vecs; h++) {
+                        if (h >= nh)
+                            break;
+                        const __m512 w = _mm512_set1_ps(p[(h0 + h) * PART + i]);
+                        for (int e = 0; e < vecs; e++)
+                            a[h * vecs + e] = _mm512_fmadd_ps(w, x[e], a[h * vecs + e]);
+                    }
                 }
+                for (int h = 0; h < nh; h++)
+                    for (int e = 0; e < vecs; e++)
+                        _mm512_storeu_ps(out + h * D + 16 * e, a[h * vecs + e]);
             }
-            for (int h = 0; h < nh; h++)
-                for (int e = 0; e < vecs; e++)
-                    _mm512_storeu_ps(acc + (h0 + h) * D + 16 * e, a[h * vecs + e]);
-        }
-    }
 }
 
 /* The run starting at token j: its first slot, and its length (to the end of the block, of
