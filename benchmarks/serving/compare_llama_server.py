@@ -1,6 +1,7 @@
 """chunkserve against llama.cpp's llama-server on this CPU: same GGUF, same client, one run.
 
-Both engines serve SmolLM2's GGUF on free loopback ports, one at a time (the machine has two
+Both engines serve the same GGUF (`--model`: SmolLM2 by default, or `gemma3-270m`, the file
+of the PyPI packages) on free loopback ports, one at a time (the machine has two
 cores; the other engine is stopped), each restarted fresh for every measurement, and
 `chunkserve bench serve` drives them with the article's mixed workload (streaming, ignore_eos,
 fixed seed, so the same prompts in the same order):
@@ -9,7 +10,8 @@ fixed seed, so the same prompts in the same order):
 It writes `comparison.json` (every bench serve result, the CPU, the commands) and
 `comparison.md` (the side-by-side table) to --out.
 
-    .venv/bin/python benchmarks/serving/compare_llama_server.py --out DIR [--peer-args=--no-repack]
+    .venv/bin/python benchmarks/serving/compare_llama_server.py --out DIR [--model gemma3-270m]
+        [--peer-args=--no-repack]
 
 llama-server is built once into a cache folder by llama_server_build.py (~15 min on 2 cores).
 """
@@ -58,9 +60,9 @@ def free_port() -> int:
 
 
 def server_command(engine: str, port: int, gguf: str, binary: str | None,
-                   peer_args: Sequence[str] = ()) -> list[str]:
-    if engine == "chunkserve":  # exactly what `make serve` runs, on another port
-        return [sys.executable, "-m", "chunkserve.cli", "serve", "--model", "smollm2-135m",
+                   peer_args: Sequence[str] = (), model: str = "smollm2-135m") -> list[str]:
+    if engine == "chunkserve":  # exactly what `make serve` runs (for `model`), on another port
+        return [sys.executable, "-m", "chunkserve.cli", "serve", "--model", model,
                 "--host", "127.0.0.1", "--port", str(port)]
     assert binary is not None
     # 16 slots of 4608 tokens: room for the longest mixed request (4096 + 128) in every slot.
@@ -84,11 +86,11 @@ def wait_healthy(port: int, proc: subprocess.Popen, timeout: float = 300.0) -> N
 
 
 def bench(engine: str, port: int, out_dir: str, name: str, traffic: Sequence[str],
-          num_prompts: int) -> dict[str, Any]:
+          num_prompts: int, model: str) -> dict[str, Any]:
     """One `chunkserve bench serve` run; returns its saved result JSON."""
     filename = f"{engine}-{name}.json"
     cmd = [sys.executable, "-m", "chunkserve.cli", "bench", "serve", "--port", str(port),
-           "--model", "smollm2-135m", "--tokenizer", "smollm2-135m", *WORKLOAD,
+           "--model", model, "--tokenizer", model, *WORKLOAD,
            "--num-prompts", str(num_prompts), *traffic, "--metric-percentiles", "50,99",
            "--percentile-metrics", "ttft,tpot,itl,e2el", "--save-result", "--result-dir",
            out_dir, "--result-filename", filename, "--disable-tqdm"]
@@ -100,16 +102,16 @@ def bench(engine: str, port: int, out_dir: str, name: str, traffic: Sequence[str
 
 
 def measure(engine: str, gguf: str, binary: str | None, out_dir: str, name: str,
-            traffic: Sequence[str], num_prompts: int, peer_args: Sequence[str] = ()
-            ) -> dict[str, Any]:
+            traffic: Sequence[str], num_prompts: int, peer_args: Sequence[str] = (),
+            model: str = "smollm2-135m") -> dict[str, Any]:
     """Starts the engine fresh, runs one bench, stops it."""
     port = free_port()
     log = open(os.path.join(out_dir, f"{engine}-{name}.log"), "w")
-    proc = subprocess.Popen(server_command(engine, port, gguf, binary, peer_args), stdout=log,
-                            stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(server_command(engine, port, gguf, binary, peer_args, model),
+                            stdout=log, stderr=subprocess.STDOUT)
     try:
         wait_healthy(port, proc)
-        return bench(engine, port, out_dir, name, traffic, num_prompts)
+        return bench(engine, port, out_dir, name, traffic, num_prompts, model)
     finally:
         proc.terminate()
         try:
@@ -149,6 +151,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True)
     p.add_argument("--cache-dir", default=DEFAULT_CACHE)
+    p.add_argument("--model", default="smollm2-135m",
+                   help="a model name chunkserve resolves to a GGUF file (smollm2-135m, "
+                        "gemma3-270m); llama-server serves that same file")
     p.add_argument("--capacity-prompts", type=int, default=48)
     p.add_argument("--open-loop-prompts", type=int, default=30)
     p.add_argument("--load", type=float, default=0.7, help="open-loop rate / peer's capacity")
@@ -161,19 +166,21 @@ def main() -> int:
     from chunkserve.model.loaders.source import resolve_model_path
 
     os.makedirs(args.out, exist_ok=True)
-    gguf = resolve_model_path("smollm2-135m")
+    gguf = resolve_model_path(args.model)
+    if not gguf.endswith(".gguf"):
+        p.error(f"--model {args.model!r} is not a GGUF file, which llama-server needs")
     binary = build(args.cache_dir)
     started = time.time()
     results: dict[str, dict[str, dict[str, Any]]] = {e: {} for e in ENGINES}
     closed = ["--max-concurrency", "16", "--request-rate", "inf"]
     for engine in (PEER, "chunkserve"):
         results[engine]["capacity"] = measure(engine, gguf, binary, args.out, "capacity", closed,
-                                              args.capacity_prompts, peer_args)
+                                              args.capacity_prompts, peer_args, args.model)
     rate = args.load * results[PEER]["capacity"]["request_throughput"]
     for engine in ENGINES:
         results[engine]["open-loop"] = measure(engine, gguf, binary, args.out, "open-loop",
                                                ["--request-rate", f"{rate:.4f}"],
-                                               args.open_loop_prompts, peer_args)
+                                               args.open_loop_prompts, peer_args, args.model)
     for engine in ENGINES:
         for result in results[engine].values():
             result["failed"] = failed_count(result)
@@ -184,6 +191,7 @@ def main() -> int:
     text = (f"# chunkserve vs llama-server on {cpu['model']} ({cpu['cores']} cores; "
             f"{' '.join(cpu['flags'])})\n\nModel {report['gguf']}; command "
             f"`python benchmarks/serving/compare_llama_server.py --out {args.out}"
+            + (f" --model {args.model}" if args.model != "smollm2-135m" else "")
             + (f" --peer-args='{args.peer_args}'" if peer_args else "") + "` "
             f"({report['elapsed_s']} s).\n\n" + side_by_side(results))
     save_report(args.out, "comparison", report, text)

