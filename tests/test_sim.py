@@ -67,16 +67,18 @@ def test_simulator_schedules_exactly_like_the_engine(tiny_model_dir, scheduler, 
         engine.add_request(f"r{i}", [100 + j for j in range(n_in)], params, arrival_time=0.0)
         sim.add_request(f"r{i}", [0] * n_in, params, arrival_time=0.0)
 
-    def schedule_log(e: LLMEngine) -> list[list[tuple[str, int]]]:
-        log = []
-        while e.has_unfinished_requests():
-            step = e.step()
-            log.append([(s.request.request_id, s.num_new_tokens) for s in step.scheduled])
-        return log
-
     real_log = schedule_log(engine)
     assert schedule_log(sim) == real_log
     assert engine.scheduler.num_preemptions == sim.scheduler.num_preemptions
+
+
+def schedule_log(e: LLMEngine) -> list[list[tuple[str, int]]]:
+    """What each step scheduled, (request id, tokens), until every request is done."""
+    log = []
+    while e.has_unfinished_requests():
+        step = e.step()
+        log.append([(s.request.request_id, s.num_new_tokens) for s in step.scheduled])
+    return log
 
 
 def a100_cost() -> RooflineCostModel:

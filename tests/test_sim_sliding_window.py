@@ -25,6 +25,7 @@ from chunkserve.sim.cost_model import (
 )
 from chunkserve.sim.simulator import SimConfig, sim_engine, simulate
 from chunkserve.sim.specs import HardwareSpec, ModelSpec, get_hardware, get_model
+from test_sim import schedule_log
 
 W270, CHUNK = 512, 512
 
@@ -254,13 +255,6 @@ def test_simulator_schedules_a_windowed_model_like_the_engine(tmp_path):
         params = SamplingParams(max_tokens=n_out, temperature=0.0, ignore_eos=True)
         for e in (engine, sim, one_table):
             e.add_request(f"r{i}", [100 + i] + [7] * (n_in - 1), params, arrival_time=0.0)
-
-    def schedule_log(e: LLMEngine) -> list[list[tuple[str, int]]]:
-        log = []
-        while e.has_unfinished_requests():
-            step = e.step()
-            log.append([(s.request.request_id, s.num_new_tokens) for s in step.scheduled])
-        return log
 
     real = schedule_log(engine)
     assert schedule_log(sim) == real
