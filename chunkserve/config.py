@@ -114,6 +114,17 @@ DEFAULT_KV_CACHE_GIB = 2.0
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    # vLLM's -tp: ranks that each hold a shard of every layer (engine/tp_executor.py).
+    tensor_parallel_size: int = 1
+
+    def verify(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError("tensor_parallel_size must be at least 1, got "
+                             f"{self.tensor_parallel_size}.")
+
+
+@dataclass(frozen=True)
 class SchedulerConfig:
     max_num_batched_tokens: int | None = None  # None: 2048 chunked, max_model_len otherwise
     max_num_seqs: int = 256
@@ -231,14 +242,17 @@ class EngineConfig:
     cache_config: CacheConfig = field(default_factory=CacheConfig)
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     trace_file: str | None = None
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
         """Spreads flat vLLM-style keyword arguments over the sub-configs by field name."""
-        parts: dict[str, dict[str, Any]] = {"model": {}, "cache": {}, "scheduler": {}}
+        parts: dict[str, dict[str, Any]] = {"model": {}, "cache": {}, "scheduler": {},
+                                            "parallel": {}}
         owners = {
             "model": {f.name for f in fields(ModelConfig)},
             "cache": {f.name for f in fields(CacheConfig)},
+            "parallel": {f.name for f in fields(ParallelConfig)},
             # max_model_len belongs to the model config; resolve() copies it across.
             "scheduler": {f.name for f in fields(SchedulerConfig)} - {"max_model_len"},
         }
@@ -253,9 +267,11 @@ class EngineConfig:
             CacheConfig(**parts["cache"]),
             SchedulerConfig(**parts["scheduler"]),
             trace_file,
+            ParallelConfig(**parts["parallel"]),
         )
         config.model_config.verify()
         config.cache_config.verify()
+        config.parallel_config.verify()
         return config
 
     def resolve(

@@ -49,7 +49,11 @@ MODEL_ALLOWED = {
     "attention": {"kernels", "batch"},
     "models": {"layers", "attention", "batch"},
     "loaders": {"models"},
-    "factory": {"models", "loaders", "attention", "layers", "kernels", "batch"},
+    # Tensor parallelism: what each rank holds (parallel), and the collectives around it.
+    "parallel": {"models"},
+    "tp_layers": {"models", "parallel"},
+    "factory": {"models", "loaders", "attention", "layers", "kernels", "batch", "parallel",
+                "tp_layers"},
 }
 
 

@@ -46,6 +46,11 @@ def add_engine_args(p: argparse.ArgumentParser, model_flag: bool = True) -> None
                         "AVX512_BF16, else int8")
     p.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs for decode steps (nothing to do on a CPU)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="ranks that each hold a shard of every layer (processes on this "
+                        "machine, gloo on the CPU; the cores are split among them). The "
+                        "model's query heads, KV heads (or the ranks, a multiple of them) and "
+                        "MLP size must divide by it")
     g = p.add_argument_group("scheduling")
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None)
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
@@ -102,6 +107,10 @@ def default_chunk_policy(args: argparse.Namespace, serving: bool) -> str:
     chunking = (args.enable_chunked_prefill is not False
                 and args.scheduler not in NO_CHUNK_SCHEDULERS)
     auto = serving and chunking and args.max_num_batched_tokens is None
+    # The engine's own step-time probe runs on one rank: tensor parallelism stays static
+    # unless a --cost-model is given.
+    if getattr(args, "tensor_parallel_size", 1) > 1 and getattr(args, "cost_model", None) is None:
+        auto = False
     return "adaptive" if auto else "static"
 
 
@@ -120,6 +129,7 @@ ENGINE_KEYS = (
     "scheduling_policy", "block_size", "kv_cache_memory", "num_kv_blocks", "preemption_mode",
     "swap_space", "trace_file", "enable_prefix_caching", "kv_cache_dtype", "chunk_policy",
     "target_itl_ms", "min_chunk_tokens", "disable_hybrid_kv_cache_manager",
+    "tensor_parallel_size",
     # Not a flag: the adaptive policy's step-time model, which the command line builds from
     # --cost-model (cli.py; the engine cannot import the simulator's cost models).
     "step_time",

@@ -40,3 +40,7 @@ class Executor(Protocol):
     def commit_kv_memory(self) -> None:
         """Makes the KV pool resident now rather than page by page while serving."""
         ...
+
+    def close(self) -> None:
+        """Releases what it holds beyond memory (worker processes); idempotent."""
+        ...

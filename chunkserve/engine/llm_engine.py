@@ -122,23 +122,27 @@ class LLMEngine:
         # Imported here, not at the top: the simulator builds this module's engine on a cost
         # model and must not pay for importing torch and the model code.
         from chunkserve.engine.model_runner import ModelRunner
-        from chunkserve.model.factory import load_model
+        from chunkserve.model.factory import load_configured
 
-        mc = config.model_config
-        if loaded is None:
-            loaded = load_model(
-                mc.model, mc.dtype, mc.max_model_len, mc.device, load_format=mc.load_format,
-                attention_backend=mc.attention_backend, seed=mc.seed,
-                quantization=mc.quantization,
-            )
-        model = loaded.model
-        config = config.resolve(loaded.max_model_len, device=model.device.type,
-                                dtype=str(model.dtype).removeprefix("torch."))
-        warm_start_step_model(loaded, config)
+        executor: Executor
+        if config.parallel_config.tensor_parallel_size > 1:
+            executor, loaded, config = _tensor_parallel(config, loaded)
+        else:
+            if loaded is None:
+                loaded = load_configured(config.model_config)
+            model = loaded.model
+            config = config.resolve(loaded.max_model_len, device=model.device.type,
+                                    dtype=str(model.dtype).removeprefix("torch."))
+            warm_start_step_model(loaded, config)
+            executor = ModelRunner.from_config(model, config)
         eos = loaded.config.eos_token_ids or None
         processor = Processor(config.max_model_len, loaded.config.vocab_size, loaded.tokenizer,
                               eos)
-        return cls(config, ModelRunner.from_config(model, config), processor, clock)
+        try:
+            return cls(config, executor, processor, clock)
+        except BaseException:
+            executor.close()  # worker processes must not outlive a refused config
+            raise
 
     @classmethod
     def from_kwargs(
@@ -291,6 +295,25 @@ class LLMEngine:
 
     def close(self) -> None:
         self.trace.close()
+        self.executor.close()
+
+
+def _tensor_parallel(config: EngineConfig, loaded: LoadedModel | None
+                     ) -> tuple[Executor, LoadedModel, EngineConfig]:
+    """The ranks' executor, rank 0's load and the config resolved against it. Each rank loads
+    its own shard, so a model loaded beforehand cannot be shared; and the adaptive policy's
+    start-up probe would step one rank alone, so it needs a fixed --cost-model."""
+    from chunkserve.engine.tp_executor import TensorParallelExecutor
+
+    if loaded is not None:
+        raise ValueError("tensor parallelism loads the model on every rank: pass the model "
+                         "name, not a loaded model")
+    if isinstance(config.scheduler_config.step_time, LearnedStepTime):
+        raise ValueError("--tensor-parallel-size > 1 with the adaptive chunk policy needs "
+                         "--cost-model (or --max-num-batched-tokens for a static budget): "
+                         "the engine's own step-time probe runs on one rank")
+    executor = TensorParallelExecutor(config, config.parallel_config.tensor_parallel_size)
+    return executor, executor.loaded, executor.config
 
 
 def warm_start_step_model(loaded: LoadedModel, config: EngineConfig) -> None:

@@ -127,6 +127,9 @@ class ModelRunner:
             if pool is not None:
                 pool.zero_()
 
+    def close(self) -> None:
+        pass  # tensors only: freed with the runner
+
     def _capture_graphs(
         self, enforce_eager: bool, max_num_seqs: int, max_model_len: int | None
     ) -> CUDAGraphRunner | None:

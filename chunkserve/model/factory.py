@@ -6,12 +6,15 @@ from functools import lru_cache
 
 import torch
 
+from chunkserve.config import ModelConfig
 from chunkserve.model.attention.select import make_attention_backend
 from chunkserve.model.layers.layer_ops import make_layer_ops
 from chunkserve.model.loaders.source import load_source
 from chunkserve.model.models.config import DecoderConfig
 from chunkserve.model.models.llama import LlamaForCausalLM
 from chunkserve.model.models.registry import architecture
+from chunkserve.model.parallel import check_tp_size, shard_config, shard_weights, tp_shard
+from chunkserve.model.tp_layers import Collectives, parallelize
 from chunkserve.tokenizer.tokenizer import Tokenizer
 
 
@@ -92,11 +95,15 @@ def load_model(
     attention_backend: str = "auto",
     seed: int = 0,
     quantization: str = "auto",
+    tp_group: Collectives | None = None,
 ) -> LoadedModel:
     """`name` is the default model, a .gguf file, a HF folder or a model preset (random weights).
 
     `load_format="dummy"` keeps the named model's config and tokenizer but draws random weights
     (seeded), built directly on the device in the compute dtype, so no weights are read.
+    `tp_group`: a tensor-parallel rank's collectives; the model is then built from the rank's
+    shard of the weights (model/parallel.py) and wrapped with them (model/tp_layers.py).
+    The returned config is the whole model's either way.
     """
     dev = resolve_device(device)
     quant = resolve_quantization(quantization, dtype, dev)
@@ -112,10 +119,24 @@ def load_model(
             f"max_model_len ({max_model_len}) is larger than the model's context length "
             f"({limit}{why})."
         )
-    attention = make_attention_backend(attention_backend, config.num_attention_heads,
-                                       config.num_key_value_heads, config.head_dim, dev)
-    model = architecture(config.architecture)(
-        config, weights, torch_dtype, max_positions=max_model_len, attention=attention,
-        device=dev, quantization=quant, ops=make_layer_ops(dev),
-    )
+    arch = architecture(config.architecture)
+    local, shard = config, None
+    if tp_group is not None and tp_group.world_size > 1:
+        check_tp_size(config, tp_group.world_size, name)
+        shard = tp_shard(config, tp_group.world_size, tp_group.rank)
+        local = shard_config(config, tp_group.world_size, tp_group.rank)
+        weights = shard_weights(weights, config, arch, tp_group.world_size, tp_group.rank)
+    attention = make_attention_backend(attention_backend, local.num_attention_heads,
+                                       local.num_key_value_heads, local.head_dim, dev)
+    model = arch(local, weights, torch_dtype, max_positions=max_model_len, attention=attention,
+                 device=dev, quantization=quant, ops=make_layer_ops(dev))
+    if shard is not None:
+        parallelize(model, tp_group, shard)  # type: ignore[arg-type]
     return LoadedModel(path, config, model, tokenizer, max_model_len)
+
+
+def load_configured(mc: ModelConfig, tp_group: Collectives | None = None) -> LoadedModel:
+    """The model an engine's ModelConfig names (the engine, and every tensor-parallel rank)."""
+    return load_model(mc.model, mc.dtype, mc.max_model_len, mc.device,
+                      load_format=mc.load_format, attention_backend=mc.attention_backend,
+                      seed=mc.seed, quantization=mc.quantization, tp_group=tp_group)

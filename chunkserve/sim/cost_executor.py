@@ -33,3 +33,6 @@ class CostModelExecutor:
 
     def commit_kv_memory(self) -> None:
         pass  # nothing is allocated
+
+    def close(self) -> None:
+        pass

@@ -116,7 +116,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         eps, ops = self.cfg.rms_norm_eps, self.ops
         global_rope, local_rope = self.rope.cos_sin(positions), self.rope_local.cos_sin(positions)
         # As in Llama: a float32 residual stream, each add done by the norm that follows it.
-        h = (self.embed[input_ids] * self.embed_scale).float()
+        h = (self.embed_tokens(input_ids) * self.embed_scale).float()
         delta = None
         metas = layer_metadata(meta, len(self.layers))
         for layer, sliding, (k_cache, v_cache), layer_meta in zip(

@@ -200,7 +200,7 @@ class LlamaForCausalLM:
         cos, sin = self.rope.cos_sin(positions)
         # The residual stream stays in float32; only the GEMM inputs use the compute dtype.
         # Each residual add is done by the norm that follows it (one pass instead of two).
-        h = self.embed[input_ids].float()
+        h = self.embed_tokens(input_ids).float()
         mlp_out = None
         metas = layer_metadata(meta, len(self.layers))
         for layer, (k_cache, v_cache), layer_meta in zip(self.layers, kv_caches, metas):
@@ -211,6 +211,10 @@ class LlamaForCausalLM:
             x = ops.add_rms_norm(h, layer.o(attn), layer.post_norm, eps, self.dtype)
             mlp_out = layer.down(ops.silu_and_mul(layer.gate_up(x)))
         return ops.add_rms_norm(h, mlp_out, self.norm, eps, self.dtype)
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The ids' embedding rows (model/tp_layers.py replaces it on a tensor-parallel rank)."""
+        return self.embed[input_ids]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
