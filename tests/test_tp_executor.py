@@ -35,14 +35,18 @@ def _tokens(engine: LLMEngine) -> dict[str, list[int]]:
 
 def _same_tokens(model: str, **kwargs: object) -> LLMEngine:
     """Runs PROMPTS on one process and on two ranks; returns the two-rank engine, closed."""
+    import torch
+
     args = dict(model=model, dtype="float32", **{"quantization": "none", **kwargs})
     one = LLMEngine.from_kwargs(**args)
+    threads = torch.get_num_threads()
     two = LLMEngine.from_kwargs(tensor_parallel_size=2, **args)
     try:
         assert _tokens(two) == _tokens(one), kwargs
         assert two.scheduler.num_preemptions == one.scheduler.num_preemptions
     finally:
         two.close()
+    assert torch.get_num_threads() == threads  # rank 0's share given back to the process
     assert [w.exitcode for w in two.executor.workers] == [0]  # type: ignore[attr-defined]
     return two
 

@@ -85,11 +85,14 @@ class TensorParallelExecutor:
             worker.start()
         try:
             self.group = TPGroup(rendezvous, 0, store)
+            # Rank 0's share of the cores, for the engine's process; close() gives them back.
+            self._threads_before = torch.get_num_threads()
             torch.set_num_threads(threads)
             # The engine reads the tokenizer, the whole model's config and the resolved
             # engine config from rank 0's load.
             self.loaded, self.config, self.runner = _load_rank(config, self.group)
         except BaseException:
+            torch.set_num_threads(getattr(self, "_threads_before", torch.get_num_threads()))
             self._stop_workers()
             raise
         self.num_kv_blocks = self.runner.num_kv_blocks
@@ -110,6 +113,7 @@ class TensorParallelExecutor:
         if self._closed:
             return
         self._closed = True
+        torch.set_num_threads(self._threads_before)
         if all(w.is_alive() for w in self.workers):
             try:
                 self.group.broadcast_object(None)
