@@ -41,6 +41,10 @@ class GroupGemm:
         self.weight_bytes = levels.numel() * levels.element_size() + scales.numel() * 2
         self.n_out = levels.shape[0] * LANES
         self.levels_ptr, self.scales_ptr = levels.data_ptr(), scales.data_ptr()
+        # float32 for a float32 model (QuantizedLinear sets it): its sums are float32 in the
+        # kernel, and a bfloat16 output would round them (and a tensor-parallel rank's partial
+        # sums before the all-reduce, which then differ from one rank's whole sum).
+        self.out_dtype = torch.bfloat16
 
     @classmethod
     def int4(cls, fn, levels: torch.Tensor, scale: torch.Tensor, low: torch.Tensor,  # type: ignore[no-untyped-def]
@@ -90,8 +94,9 @@ class GroupGemm:
             x = x.to(torch.bfloat16)
         if not x.is_contiguous():
             x = x.contiguous()
-        y = torch.empty(x.shape[0], self.n_out, dtype=torch.bfloat16)
-        if self.fn(y.data_ptr(), 1, x.data_ptr(), x.shape[0], x.shape[1], self.levels_ptr,
+        y = torch.empty(x.shape[0], self.n_out, dtype=self.out_dtype)
+        bf16_out = int(self.out_dtype == torch.bfloat16)
+        if self.fn(y.data_ptr(), bf16_out, x.data_ptr(), x.shape[0], x.shape[1], self.levels_ptr,
                    self.scales_ptr, self.n_out, self.bits, torch.get_num_threads()):
             raise MemoryError("the group GEMM could not allocate its buffer")
         return y if self.n_out == self.n else y[:, : self.n]

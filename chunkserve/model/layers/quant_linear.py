@@ -27,6 +27,8 @@ class QuantizedLinear:
         quantized (Qwen2's q/k/v)."""
         self.kernel = kernel
         self.dtype = dtype
+        if dtype == torch.float32 and hasattr(kernel, "out_dtype"):
+            kernel.out_dtype = torch.float32  # no bfloat16 rounding of a float32 model's sums
         self.dense = DenseWeight(dense.to(dtype), bias)
         self.bias = self.dense.bias
         self.shape: tuple[int, int] = tuple(dense.shape)  # type: ignore[assignment]
