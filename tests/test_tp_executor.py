@@ -81,6 +81,33 @@ def test_int8_weights_give_the_same_tokens(tiny_model_dir: str) -> None:
                  quantization="int8")
 
 
+def test_logprobs_agree_within_float32_rounding(tiny_model_dir: str) -> None:
+    """The gathered logits themselves: every prompt position's top-5 log-probs (prompt
+    logprobs) and each sampled token's, two ranks against one, float32."""
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=5,
+                            prompt_logprobs=5)
+    outs = []
+    for tp in (1, 2):
+        engine = LLMEngine.from_kwargs(model=tiny_model_dir, dtype="float32",
+                                       quantization="none", tensor_parallel_size=tp,
+                                       max_num_batched_tokens=16, num_kv_blocks=64)
+        try:
+            engine.add_request("r", PROMPTS[0], params)
+            while engine.has_unfinished_requests():
+                for out in engine.step().outputs:
+                    if out.finished:
+                        outs.append(out)
+        finally:
+            engine.close()
+    one, two = outs
+    pairs = [(a, b) for a, b in zip(one.prompt_logprobs, two.prompt_logprobs) if a is not None]
+    pairs += list(zip(one.outputs[0].logprobs, two.outputs[0].logprobs))
+    assert len(pairs) == len(PROMPTS[0]) - 1 + 4
+    for a, b in pairs:
+        assert [t for t, _ in a] == [t for t, _ in b]
+        assert max(abs(x - y) for (_, x), (_, y) in zip(a, b)) < 1e-4
+
+
 @pytest.fixture(scope="module")
 def one_kv_head_dir(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: str) -> str:
     """The tiny Llama with a single KV head (replicated on both ranks) and a tied head."""
