@@ -83,6 +83,9 @@ class ModelRunner:
         # Each layer's attention metadata is that of its (group, window): the group says where
         # its K/V live, the window how far back it reads (the same unless one group for all).
         self.layer_attention = [(slots[i][0], w) for i, w in enumerate(model.layer_windows())]
+        # The distinct (group, window) pairs, each one build_metadata a step; [(0, None)] for a
+        # model of one full-attention group (every model but the sliding-window ones).
+        self._attention_kinds = list(dict.fromkeys(self.layer_attention))
         self.kv_caches = [(self.kv_cache[slots[i][1], 0], self.kv_cache[slots[i][1], 1])
                           for i in range(len(model.layers))]
         swap_shape = (shape[0], 2, num_swap_blocks) + shape[3:]
@@ -137,7 +140,7 @@ class ModelRunner:
         attention backend, unless --enforce-eager. On the CPU there is nothing to do."""
         if enforce_eager or self.device.type != "cuda" or not self.model.attn.supports_cuda_graphs:
             return None
-        if set(self.layer_attention) != {(0, None)}:
+        if self._attention_kinds != [(0, None)]:
             return None  # the graphs are captured over one block table, without a window
         max_len = max_model_len or self.model.rope.max_positions
         graphs = CUDAGraphRunner(
@@ -225,12 +228,11 @@ class ModelRunner:
             if hidden is not None:
                 return hidden
         batch = self.stager.to_device(layout)
-        kinds = dict.fromkeys(self.layer_attention)
-        if list(kinds) == [(0, None)]:
+        if self._attention_kinds == [(0, None)]:
             meta = self.model.attn.build_metadata(batch)
         else:
             by_kind = {(g, w): self.model.attn.build_metadata(
-                self._group_batch(scheduled, batch, g), w) for g, w in kinds}
+                self._group_batch(scheduled, batch, g), w) for g, w in self._attention_kinds}
             meta = PerLayer(by_kind[kind] for kind in self.layer_attention)
         return self.model.forward(batch.input_ids, batch.positions, self.kv_caches, meta)
 
