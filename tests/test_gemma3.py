@@ -156,7 +156,7 @@ GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 
 def _tokens(loaded: LoadedModel, prompts: list[list[int]], **kwargs: object) -> tuple[list, LLM]:
     llm = LLM(loaded=loaded, dtype="float32", model=loaded.path, **kwargs)
-    peak = _watch_window_blocks(llm)
+    peak = watch_window_blocks(llm)
     tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
     budget = llm.engine.config.scheduler_config.max_num_batched_tokens
     if WINDOW in llm.engine.scheduler.kv.windows:
@@ -164,7 +164,7 @@ def _tokens(loaded: LoadedModel, prompts: list[list[int]], **kwargs: object) -> 
     return tokens, llm
 
 
-def _watch_window_blocks(llm: LLM) -> list[int]:
+def watch_window_blocks(llm: LLM) -> list[int]:
     """After every schedule(), the most blocks a sliding-window group's table of one request
     holds (its freed head is NULL_BLOCK holes): [peak], updated as the engine runs."""
     sched = llm.engine.scheduler

@@ -31,6 +31,7 @@ from chunkserve.model.models.config import DecoderConfig
 from chunkserve.model.models.registry import config_from_hf
 from chunkserve.presets import model_preset
 from chunkserve.tokenizer.tokenizer import Tokenizer
+from test_gemma3 import watch_window_blocks
 from test_gguf_tokenizers import SpmVocab
 from test_model_parity import full_logits
 
@@ -365,17 +366,7 @@ def test_greedy_continuations_identical_across_budgets_and_prefix_caching(
                   max_num_batched_tokens=budget, enable_prefix_caching=caching)
         kv = llm.engine.scheduler.kv
         assert kv.windows.count(512) == 5
-        peak = [0]
-        schedule = llm.engine.scheduler.schedule
-
-        def watched():  # type: ignore[no-untyped-def]
-            out = schedule()
-            for tables in kv.tables.values():
-                peak[0] = max([peak[0]] + [sum(b >= 0 for b in t) for t, w in
-                                           zip(tables, kv.windows) if w is not None])
-            return out
-
-        llm.engine.scheduler.schedule = watched  # type: ignore[method-assign]
+        peak = watch_window_blocks(llm)
         outs = llm.generate(prompts, params)
         results[(budget, caching)] = [o.outputs[0].token_ids for o in outs]
         assert 0 < peak[0] <= -(-(511 + budget) // 16) + 1
