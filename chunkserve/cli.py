@@ -5,13 +5,17 @@ import argparse
 import sys
 import time
 
-from chunkserve.engine.arg_utils import add_engine_args, engine_kwargs
+from chunkserve.engine.arg_utils import add_engine_args, config_from_args, engine_kwargs
 
 
 def _generate(args: argparse.Namespace) -> int:
     from chunkserve.llm import LLM
     from chunkserve.sampling_params import SamplingParams
 
+    if args.node_rank > 0:  # a secondary node: its ranks only, node 0 generates
+        from chunkserve.engine.tp_headless import run_headless
+
+        return run_headless(config_from_args(args))
     llm = LLM(**engine_kwargs(_with_step_time(args, serving=False)))
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,

@@ -117,11 +117,47 @@ DEFAULT_KV_CACHE_GIB = 2.0
 class ParallelConfig:
     # vLLM's -tp: ranks that each hold a shard of every layer (engine/tp_executor.py).
     tensor_parallel_size: int = 1
+    # vLLM's multi-node flags: the ranks split evenly over `nnodes` machines, node k hosting
+    # ranks k*L .. k*L+L-1 (L = ranks_per_node). Node 0 runs the engine and rank 0, whose store
+    # listens at master_addr:master_port; the other nodes run only their ranks (tp_headless.py).
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0  # 0: a free port, which only node 0 itself can then know
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tensor_parallel_size // self.nnodes
+
+    @property
+    def node_ranks(self) -> range:
+        """The ranks this node hosts."""
+        first = self.node_rank * self.ranks_per_node
+        return range(first, first + self.ranks_per_node)
 
     def verify(self) -> None:
-        if self.tensor_parallel_size < 1:
-            raise ValueError("tensor_parallel_size must be at least 1, got "
-                             f"{self.tensor_parallel_size}.")
+        tp, nnodes = self.tensor_parallel_size, self.nnodes
+        if tp < 1:
+            raise ValueError(f"tensor_parallel_size must be at least 1, got {tp}.")
+        if nnodes < 1:
+            raise ValueError(f"nnodes (--nnodes) must be at least 1, got {nnodes}.")
+        if tp % nnodes:
+            raise ValueError(f"--tensor-parallel-size {tp} must divide evenly by --nnodes "
+                             f"{nnodes}: every node hosts the same number of ranks.")
+        if not 0 <= self.node_rank < nnodes:
+            raise ValueError(f"--node-rank must be in [0, {nnodes}) for --nnodes {nnodes}, "
+                             f"got {self.node_rank}.")
+        if not 0 <= self.master_port <= 65535:
+            raise ValueError(f"--master-port must be in [0, 65535], got {self.master_port}.")
+        if nnodes > 1 and self.master_port == 0:
+            raise ValueError(f"--nnodes {nnodes} needs an explicit --master-port: every node "
+                             "must know where node 0's rank 0 listens.")
+        if not self.master_addr:
+            raise ValueError("--master-addr must not be empty.")
+        if nnodes > 1 and self.master_addr in ("0.0.0.0", "::"):
+            # The store listens on every interface anyway; this is where the others connect.
+            raise ValueError(f"--master-addr {self.master_addr} is not an address other nodes "
+                             "can connect to: give node 0's address on their network.")
 
 
 @dataclass(frozen=True)

@@ -160,7 +160,11 @@ class Metrics:
                 self.samples[(s.name, frozenset(labels.items()))] = s.value
 
     def get(self, name: str, **labels: str) -> float:
-        return self.samples[(name, frozenset(labels.items()))]
+        """The sample with exactly these labels (a per-engine gauge: engine 0's by default)."""
+        key = (name, frozenset(labels.items()))
+        if key not in self.samples and "engine" not in labels:
+            key = (name, frozenset({**labels, "engine": "0"}.items()))
+        return self.samples[key]
 
     @property
     def running(self) -> float:

@@ -9,7 +9,6 @@ a real server under a burst and under steady background load.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import re
 import time
@@ -23,37 +22,52 @@ from prometheus_client.parser import text_string_to_metric_families
 from server_utils import HTTP_TIMEOUT_S, RemoteServer, assert_error
 
 from chunkserve.serve.admission import Admission, ClientGone, Refused
+from chunkserve.engine.llm_engine import EngineStats
 from chunkserve.serve.async_engine import AsyncEngine
+from chunkserve.serve.engine_loop import LoopEvent
 from chunkserve.serve.metrics import REJECT_REASONS, ServerMetrics
 from chunkserve.serve.serving import ApiError, Serving
 
 # ---- in process: the engine thread played by the test -----------------------------------------
 
 
-class _Engine:
-    """What AsyncEngine reads of an LLMEngine between steps: its stats."""
+class _Client:
+    """An engine client whose loop the test plays: it records commands and never applies
+    them; `publish` emits the event the loop sends after a step."""
+
+    index = 0
+    info = SimpleNamespace(block_size=16, processor=None)
 
     def __init__(self) -> None:
-        self.num_waiting = 0
+        self.alive = True
+        self.sent: list[object] = []
 
-    def stats(self) -> SimpleNamespace:
-        return SimpleNamespace(num_running=0, num_waiting=self.num_waiting, kv_usage=0.0,
-                               kv_internal_fragmentation=0)
+    def start(self, handle: Any) -> None:
+        self.handle = handle
+
+    def send(self, command: object) -> None:
+        self.sent.append(command)
+
+    def is_alive(self) -> bool:
+        return self.alive
+
+    def shutdown(self, timeout: float) -> None:
+        self.alive = False
 
 
 class Harness:
     def __init__(self, cap: int | None, timeout_s: float = 30.0) -> None:
-        self.engine = _Engine()
+        self.client = _Client()
         self.metrics = ServerMetrics("m", 256)
-        self.ae = AsyncEngine(self.engine, self.metrics)  # type: ignore[arg-type]
-        self.ae._loop = asyncio.get_running_loop()
-        self.ae._running = concurrent.futures.Future()  # "the loop runs": healthy
+        self.ae = AsyncEngine([self.client], self.metrics)  # type: ignore[list-item]
+        self.ae.start()  # "the loop runs": healthy
         self.admission = Admission(self.ae, cap, timeout_s)
 
     async def publish(self, num_waiting: int) -> None:
         """The engine thread's end of a step: its waiting queue now holds `num_waiting`."""
-        self.engine.num_waiting = num_waiting
-        await asyncio.to_thread(self.ae._publish_state)
+        stats = EngineStats(num_running=0, num_waiting=num_waiting, kv_usage=0.0,
+                            kv_internal_fragmentation=0)
+        await asyncio.to_thread(self.client.handle, 0, LoopEvent(stats=stats))
         await asyncio.sleep(0.01)  # the loop runs the wake-up the engine thread scheduled
 
     def gauge(self) -> float:
@@ -187,8 +201,7 @@ def test_refusals_are_counted_by_reason():
             serving.check_size(1, 2)
         assert e.value.status == 400
         ticket.release()
-        h.ae._running = concurrent.futures.Future()
-        h.ae._running.set_result(None)  # the engine loop ended
+        h.client.alive = False  # the engine loop ended
         with pytest.raises(ApiError) as e:
             await serving.admit(1)
         assert e.value.status == 503 and "not running" in e.value.message

@@ -162,3 +162,75 @@ def test_without_affinity_equal_engines_stay_within_one(
     for p in prompts:
         counts[router.route(p)] += 1
     assert max(counts) - min(counts) <= 1
+
+
+# ---- the router inside the server's front end (serve/async_engine.py) ----------------------------
+
+
+class _Client:
+    """An engine client that records commands; the test plays its loop's events."""
+
+    def __init__(self, index: int) -> None:
+        from types import SimpleNamespace
+
+        self.index = index
+        self.info = SimpleNamespace(block_size=BLOCK, processor=None)
+        self.sent: list[object] = []
+
+    def start(self, handle) -> None:  # type: ignore[no-untyped-def]
+        self.handle = handle
+
+    def send(self, command: object) -> None:
+        self.sent.append(command)
+
+    def is_alive(self) -> bool:
+        return True
+
+    def shutdown(self, timeout: float) -> None:
+        pass
+
+
+def test_the_front_end_routes_adds_and_sends_aborts_to_the_same_engine() -> None:
+    import asyncio
+
+    from chunkserve.engine.llm_engine import EngineStats
+    from chunkserve.engine.processor import EngineRequest
+    from chunkserve.sampling_params import SamplingParams
+    from chunkserve.serve.async_engine import AsyncEngine
+    from chunkserve.serve.engine_loop import Abort, Add, LoopEvent
+
+    def request(rid: str, prompt: list[int]) -> EngineRequest:
+        return EngineRequest(rid, None, prompt, SamplingParams(max_tokens=4), [])
+
+    async def main() -> None:
+        clients = [_Client(0), _Client(1)]
+        ae = AsyncEngine(clients)  # type: ignore[arg-type]
+        ae.start()
+        system = _prompt(7, 4)
+        streams = {rid: ae.generate(request(rid, prompt)) for rid, prompt in
+                   (("a", system + [1]), ("b", system + [2]), ("c", _prompt(8, 4)))}
+        tasks = {rid: asyncio.ensure_future(s.__anext__()) for rid, s in streams.items()}
+        await asyncio.sleep(0.01)
+        routed = {c.index: [cmd.request.request_id for cmd in c.sent if isinstance(cmd, Add)]
+                  for c in clients}
+        # "b" shares "a"'s prefix: same engine; "c" has none and takes the idle one.
+        assert routed == {0: ["a", "b"], 1: ["c"]}
+        assert ae.num_queued == 3
+        # Engine 1's loop applied "c" and runs it: its queue empties, the router learns it.
+        stats = EngineStats(num_running=1, num_waiting=0, kv_usage=0.1,
+                            kv_internal_fragmentation=0)
+        clients[1].handle(1, LoopEvent(num_applied=1, stats=stats))
+        await asyncio.sleep(0.01)
+        assert ae.num_queued == 2 and ae.router is not None and ae.router.load(1) == 1
+        tasks["c"].cancel()  # the client went away: the abort goes to "c"'s engine
+        await asyncio.sleep(0.01)
+        await streams["c"].aclose()
+        assert [cmd for cmd in clients[1].sent if isinstance(cmd, Abort)] == [Abort("c")]
+        assert not any(isinstance(cmd, Abort) for cmd in clients[0].sent)
+        for rid in ("a", "b"):
+            tasks[rid].cancel()
+        await asyncio.sleep(0.01)
+        assert [cmd for cmd in clients[0].sent if isinstance(cmd, Abort)] == [Abort("a"),
+                                                                              Abort("b")]
+
+    asyncio.run(main())

@@ -218,8 +218,8 @@ def test_steps_gauges_and_counters() -> None:
     sm.observe_step(step(1, prefill=100, decode=3, duration=0.03, preempt=2))
     sm.observe_step(step(2, prefill=0, decode=4, duration=0.004, preempt=1))
     sm.observe_step(step(3, prefill=0, decode=0, duration=0.0005))  # idle
-    sm.set_state(3, 9, 0.5, 40)
-    sm.set_state(2, 1, 0.75, 17)  # only the last state counts
+    sm.set_state(0, 3, 9, 0.5, 40)
+    sm.set_state(0, 2, 1, 0.75, 17)  # only the last state counts
     s = scrape(sm)
 
     count, total, b = hist(s, "vllm:iteration_tokens_total")
@@ -250,7 +250,7 @@ def test_instances_do_not_interfere() -> None:
     b = ServerMetrics(MODEL, 4096)  # same model name and metric names: no registry clash
     run_scenario(a)
     a.observe_step(step(0, 8, 0, 0.01, preempt=1))
-    a.set_state(5, 5, 0.9, 3)
+    a.set_state(0, 5, 5, 0.9, 3)
     sb = scrape(b)
     assert value(sb, "vllm:generation_tokens_total") == 0
     assert value(sb, "vllm:num_preemptions_total") == 0

@@ -34,7 +34,7 @@ def test_step_model_gauges_follow_the_records() -> None:
                             step_model_coefficients={"step": 0.01, "token": 2e-4}))
     sm.observe_step(_record(token_budget=40, predicted_duration=0.02, step_model_error=0.07))
     s = _samples(sm.render()[0].decode())
-    label = (("model_name", "m"),)
+    label = (("engine", "0"), ("model_name", "m"))
     assert s[("chunkserve:step_token_budget", label)] == 40  # the last step's
     assert s[("chunkserve:step_model_relative_error", label)] == pytest.approx(0.07)
     # A step that did not refit leaves the last fit in place.

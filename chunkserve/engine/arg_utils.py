@@ -51,6 +51,17 @@ def add_engine_args(p: argparse.ArgumentParser, model_flag: bool = True) -> None
                         "machine, gloo on the CPU; the cores are split among them). The "
                         "model's query heads, KV heads (or the ranks, a multiple of them) and "
                         "MLP size must divide by it")
+    p.add_argument("--nnodes", type=int, default=1,
+                   help="machines the --tensor-parallel-size ranks are spread over, evenly: "
+                        "node k hosts ranks k*N/nnodes onwards (docs/parallel.md)")
+    p.add_argument("--node-rank", type=int, default=0,
+                   help="this machine's node: 0 runs the engine (and the server); the others "
+                        "run only their ranks (headless), with the engine flags of node 0")
+    p.add_argument("--master-addr", default="127.0.0.1",
+                   help="node 0's address, reachable from every node (default %(default)s)")
+    p.add_argument("--master-port", type=int, default=0,
+                   help="the port rank 0's store listens on, on node 0 (needed with --nnodes "
+                        "> 1; default: a free port)")
     g = p.add_argument_group("scheduling")
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None)
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
@@ -129,7 +140,7 @@ ENGINE_KEYS = (
     "scheduling_policy", "block_size", "kv_cache_memory", "num_kv_blocks", "preemption_mode",
     "swap_space", "trace_file", "enable_prefix_caching", "kv_cache_dtype", "chunk_policy",
     "target_itl_ms", "min_chunk_tokens", "disable_hybrid_kv_cache_manager",
-    "tensor_parallel_size",
+    "tensor_parallel_size", "nnodes", "node_rank", "master_addr", "master_port",
     # Not a flag: the adaptive policy's step-time model, which the command line builds from
     # --cost-model (cli.py; the engine cannot import the simulator's cost models).
     "step_time",

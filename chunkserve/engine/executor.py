@@ -25,6 +25,11 @@ class RunnerOutput:
     )
 
 
+class FatalExecutorError(RuntimeError):
+    """The executor can run no more steps (a tensor-parallel worker died): the engine loop
+    fails every request and stops, instead of failing one step's requests at a time."""
+
+
 class Executor(Protocol):
     # The KV pool it owns, in blocks of `block_size` tokens: the scheduler allocates within it.
     num_kv_blocks: int

@@ -7,93 +7,60 @@ gloo group, tp_group.py) and its own KV pool, of its KV heads. Only rank 0 sched
 its scheduler output reaches the workers once (a broadcast), every rank builds its own tensors
 and runs the step in lockstep (the collectives inside the model keep them together), and rank
 0's sampled tokens are the step's. The engine loop does not change: it sees one Executor.
+
+Over several machines (--nnodes) the ranks split evenly: node 0 holds rank 0 and the next
+ranks as its workers, every other node runs only its own (tp_headless.py); all meet at rank
+0's store, at --master-addr:--master-port.
 """
 from __future__ import annotations
 
-import logging
-import os
-import sys
-from dataclasses import dataclass
-
 import torch
-import torch.multiprocessing as mp
+from torch.distributed import TCPStore
 
-from chunkserve.config import EngineConfig
+from chunkserve.config import EngineConfig, ParallelConfig
 from chunkserve.core.sched_output import SchedulerOutput
-from chunkserve.engine.executor import RunnerOutput
-from chunkserve.engine.tp_group import Rendezvous, TPGroup
+from chunkserve.engine.executor import FatalExecutorError, RunnerOutput
+from chunkserve.engine.tp_group import TIMEOUT, Rendezvous, TPGroup
+from chunkserve.engine.tp_worker import (
+    first_line,
+    load_rank,
+    start_workers,
+    stop_workers,
+    threads_per_rank,
+)
 
-logger = logging.getLogger(__name__)
-
-JOIN_TIMEOUT_S = 10.0  # a worker told to stop that has not within this is killed
-
-
-@dataclass(frozen=True)
-class WorkerSpec:
-    config: EngineConfig  # as given; each rank resolves it against the model it loads
-    rank: int
-    rendezvous: Rendezvous
-    num_threads: int  # this rank's share of the cores
-
-
-def threads_per_rank(world_size: int, cores: int | None = None) -> int:
-    """Each rank's compute threads: the cores split evenly (at least one each), as vLLM's CPU
-    backend binds one NUMA node's cores per rank."""
-    return max(1, (cores or os.cpu_count() or 1) // world_size)
-
-
-def _load_rank(config: EngineConfig, group: TPGroup):  # type: ignore[no-untyped-def]
-    """(the rank's LoadedModel, the config resolved against it, its ModelRunner). Every rank
-    resolves the same config the same way, so their KV pools have the same number of blocks."""
-    from chunkserve.engine.model_runner import ModelRunner
-    from chunkserve.model.factory import load_configured
-
-    loaded = load_configured(config.model_config, group)
-    model = loaded.model
-    resolved = config.resolve(loaded.max_model_len, device=model.device.type,
-                              dtype=str(model.dtype).removeprefix("torch."))
-    return loaded, resolved, ModelRunner.from_config(model, resolved)
-
-
-def _worker_main(spec: WorkerSpec) -> None:
-    """A worker's life: join the group, load its shard, then run every step rank 0 broadcasts
-    until it broadcasts None."""
-    torch.set_num_threads(spec.num_threads)
-    group = TPGroup(spec.rendezvous, spec.rank)
-    try:
-        runner = _load_rank(spec.config, group)[2]
-    except ValueError as e:
-        # A config every rank refuses alike: rank 0 reports it to the user; one line here.
-        logger.error("tp-rank-%d: %s", spec.rank, e)
-        sys.exit(1)
-    while (out := group.broadcast_object()) is not None:
-        runner.execute(out)
+__all__ = ["TensorParallelExecutor", "threads_per_rank"]
 
 
 class TensorParallelExecutor:
-    def __init__(self, config: EngineConfig, world_size: int, host: str = "127.0.0.1") -> None:
+    def __init__(self, config: EngineConfig, world_size: int) -> None:
         if world_size < 2:
             raise ValueError(f"tensor parallelism needs at least 2 ranks, got {world_size}")
-        threads = threads_per_rank(world_size)
-        store = TPGroup.host_store(host, world_size)
-        rendezvous = Rendezvous(host, store.port, world_size)
-        ctx = mp.get_context("spawn")
-        self.workers = [ctx.Process(target=_worker_main, daemon=True, name=f"tp-rank-{rank}",
-                                    args=(WorkerSpec(config, rank, rendezvous, threads),))
-                        for rank in range(1, world_size)]
-        for worker in self.workers:
-            worker.start()
+        pc = config.parallel_config
+        if pc.node_rank != 0:
+            raise ValueError(f"--node-rank {pc.node_rank} runs no engine, only its node's "
+                             "ranks: launch it with `chunkserve serve` or `chunkserve generate`")
+        self._nnodes = pc.nnodes
+        local = range(world_size // pc.nnodes)  # this node's ranks: 0 here, then its workers
+        threads = threads_per_rank(len(local))
+        store = _host_store(pc, world_size)
+        rendezvous = Rendezvous(pc.master_addr, store.port, world_size)
+        self.workers = start_workers(local[1:], rendezvous, threads)
+        self._failed = False
         try:
-            self.group = TPGroup(rendezvous, 0, store)
+            self.group = _join(rendezvous, store, pc.nnodes)
+            # Every worker takes the engine config from here: a headless node's own flags may
+            # differ, and every rank's KV pool must be the size of this one's.
+            self.group.broadcast_object(config)
             # Rank 0's share of the cores, for the engine's process; close() gives them back.
             self._threads_before = torch.get_num_threads()
             torch.set_num_threads(threads)
             # The engine reads the tokenizer, the whole model's config and the resolved
             # engine config from rank 0's load.
-            self.loaded, self.config, self.runner = _load_rank(config, self.group)
+            self.loaded, self.config, self.runner = load_rank(config, self.group)
         except BaseException:
             torch.set_num_threads(getattr(self, "_threads_before", torch.get_num_threads()))
-            self._stop_workers()
+            stop_workers(self.workers, terminate=True)  # no engine for them to serve
             raise
         self.num_kv_blocks = self.runner.num_kv_blocks
         self.num_swap_blocks = self.runner.num_swap_blocks
@@ -102,8 +69,21 @@ class TensorParallelExecutor:
 
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
         self._check_workers()
-        self.group.broadcast_object(scheduler_output)
-        return self.runner.execute(scheduler_output)
+        try:
+            self.group.broadcast_object(scheduler_output)
+            return self.runner.execute(scheduler_output)
+        except RuntimeError as e:
+            # A collective fails as soon as a dying worker's sockets close, a moment before
+            # its exit is reported: give it that moment, then call it dead if it is.
+            for worker in self.workers:
+                worker.join(0.2)
+            self._check_workers()
+            if self._nnodes > 1:
+                # A rank on another node, most likely; the group cannot run another step.
+                self._failed = True
+                raise FatalExecutorError("the tensor-parallel group failed (a node gone?): "
+                                         + first_line(e)) from e
+            raise
 
     def commit_kv_memory(self) -> None:
         self.runner.commit_kv_memory()
@@ -114,7 +94,7 @@ class TensorParallelExecutor:
             return
         self._closed = True
         torch.set_num_threads(self._threads_before)
-        if all(w.is_alive() for w in self.workers):
+        if not self._failed and all(w.is_alive() for w in self.workers):
             try:
                 self.group.broadcast_object(None)
             except RuntimeError:
@@ -125,12 +105,27 @@ class TensorParallelExecutor:
         dead = [w for w in self.workers if not w.is_alive()]
         if dead:
             self.close()
-            raise RuntimeError("tensor-parallel worker " + ", ".join(
+            raise FatalExecutorError("tensor-parallel worker " + ", ".join(
                 f"{w.name} exited with code {w.exitcode}" for w in dead))
 
     def _stop_workers(self) -> None:
-        for worker in self.workers:
-            worker.join(JOIN_TIMEOUT_S)
-            if worker.is_alive():
-                worker.kill()
-                worker.join()
+        stop_workers(self.workers)
+
+
+def _host_store(pc: ParallelConfig, world_size: int) -> TCPStore:
+    try:
+        return TPGroup.host_store(pc.master_addr, world_size, pc.master_port)
+    except RuntimeError as e:  # DistNetworkError: the port is taken, the address not ours
+        raise OSError(f"rank 0's store cannot listen on {pc.master_addr}:{pc.master_port} "
+                      f"(--master-addr, --master-port): {first_line(e)}") from e
+
+
+def _join(rendezvous: Rendezvous, store: TCPStore, nnodes: int) -> TPGroup:
+    try:
+        return TPGroup(rendezvous, 0, store)
+    except RuntimeError as e:
+        hint = (f"; are the other {nnodes - 1} node(s) started with --master-addr "
+                f"{rendezvous.host} --master-port {rendezvous.port}?") if nnodes > 1 else ""
+        raise TimeoutError(f"the {rendezvous.world_size} tensor-parallel ranks did not all "
+                           f"join within {TIMEOUT.total_seconds():.0f} s{hint} "
+                           f"({first_line(e)})") from e

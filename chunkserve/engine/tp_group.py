@@ -6,7 +6,9 @@ hold several engines in one process. Rank 0 lives in the engine's process and ho
 """
 from __future__ import annotations
 
+import os
 import pickle
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -17,6 +19,10 @@ import torch.distributed as dist
 # A collective that waits longer than this fails instead of hanging (a dead peer, a step
 # that never comes); generous, since one CPU step of a long prefill can take seconds.
 TIMEOUT = timedelta(seconds=120)
+# A worker's wait for rank 0's next step has no deadline of its own: a server may idle for
+# days. A rank 0 that dies ends the wait at once (its sockets close); one that goes silent
+# (a node's power or network lost) ends it through the worker's watch (tp_worker.py).
+IDLE_WAIT = timedelta(days=3650)
 
 
 @dataclass(frozen=True)
@@ -38,22 +44,37 @@ class TPGroup:
         self.store = store
         self.rank = rank
         self.world_size = rendezvous.world_size
-        self.pg = dist.ProcessGroupGloo(store, rank, self.world_size, TIMEOUT)
+        if os.environ.get("GLOO_SOCKET_IFNAME"):  # the user's interfaces (torch reads it)
+            self.pg = dist.ProcessGroupGloo(store, rank, self.world_size, TIMEOUT)
+        else:
+            options = dist.ProcessGroupGloo._Options()
+            options._devices = [dist.ProcessGroupGloo.create_device(
+                hostname=route_address(rendezvous.host, rendezvous.port))]
+            options._timeout = TIMEOUT
+            self.pg = dist.ProcessGroupGloo(store, rank, self.world_size, options)
 
     @staticmethod
-    def host_store(host: str, world_size: int) -> dist.TCPStore:
-        """Rank 0's store on a free port (read it back from `.port`)."""
-        return dist.TCPStore(host, 0, world_size, True, timeout=TIMEOUT, wait_for_workers=False)
+    def host_store(host: str, world_size: int, port: int = 0) -> dist.TCPStore:
+        """Rank 0's store, on a free port with 0 (read it back from `.port`). It listens on
+        every interface: `host` is only where this process itself connects to it."""
+        return dist.TCPStore(host, port, world_size, True, timeout=TIMEOUT,
+                             wait_for_workers=False)
 
-    def broadcast_object(self, obj: Any = None) -> Any:
+    def broadcast_object(self, obj: Any = None, timeout: timedelta | None = None) -> Any:
         """Rank 0's `obj` on every rank: its pickle's length, then its bytes (two broadcasts;
-        the scheduler's output of one step, a few KB)."""
+        the scheduler's output of one step, a few KB). `timeout`: how long the other ranks
+        wait for the first (IDLE_WAIT: the next step may be days away); then TIMEOUT."""
         if self.rank == 0:
             data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
             size = torch.tensor([data.numel()], dtype=torch.int64)
         else:
             size = torch.zeros(1, dtype=torch.int64)
-        self.pg.broadcast([size]).wait()
+        if timeout is None:
+            self.pg.broadcast([size]).wait()
+        else:
+            opts = dist.BroadcastOptions()
+            opts.rootRank, opts.timeout = 0, timeout
+            self.pg.broadcast([size], opts).wait()
         if self.rank != 0:
             data = torch.empty(int(size.item()), dtype=torch.uint8)
         self.pg.broadcast([data]).wait()
@@ -69,3 +90,13 @@ class TPGroup:
         out = [torch.empty_like(t) for _ in range(self.world_size)]
         self.pg.allgather([out], [t]).wait()
         return out
+
+
+def route_address(host: str, port: int) -> str:
+    """This machine's address on the route to `host`: where gloo's sockets listen, so the
+    other ranks can reach them. gloo's own default, the address the hostname resolves to, is
+    often a loopback one (Debian's 127.0.1.1) that no other node can reach."""
+    family, _, _, _, address = socket.getaddrinfo(host, port or 9, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect(address)  # UDP: sends nothing, only picks the route
+        return str(s.getsockname()[0])

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -17,6 +17,7 @@ from chunkserve.serve.compute_thread import ComputeThread
 from chunkserve.engine.llm_engine import LLMEngine
 from chunkserve.serve.async_engine import AsyncEngine
 from chunkserve.serve.cache_endpoints import router as cache_router
+from chunkserve.serve.engine_client import EngineClient, InProcessClient
 from chunkserve.serve.chat_requests import TokenizeRequest
 from chunkserve.serve.errors import error_body, validation_error_message
 from chunkserve.serve.metrics import ServerMetrics
@@ -41,7 +42,7 @@ router = APIRouter()
 
 
 def build_app(
-    engine: LLMEngine,
+    engine: LLMEngine | Sequence[EngineClient],
     served_model_name: str,
     api_key: str | None = None,
     max_waiting_requests: int | None = None,
@@ -50,13 +51,15 @@ def build_app(
     metrics_require_key: bool = False,
     enable_dev_endpoints: bool = False,
 ) -> FastAPI:
-    """`compute`: the thread that built `engine`, where its loop will run (async_engine.py).
+    """`engine`: one engine, or the clients of `--data-parallel-size` engine processes.
+    `compute`: the thread that built `engine`, where its loop will run (engine_client.py).
     `enable_dev_endpoints` serves POST /reset_prefix_cache, which vLLM exposes only in its
     development mode: without it anyone who reaches the port could flush the cache."""
-    cache = engine.config.cache_config
-    metrics = ServerMetrics(served_model_name, engine.max_model_len, engine.num_kv_blocks,
-                            cache.block_size, cache.kv_cache_dtype)
-    async_engine = AsyncEngine(engine, metrics, compute)
+    clients = engine if isinstance(engine, Sequence) else [InProcessClient(engine, compute)]
+    info = clients[0].info  # every engine of a data-parallel server has the same config
+    metrics = ServerMetrics(served_model_name, info.max_model_len, info.num_kv_blocks,
+                            info.block_size, info.kv_cache_dtype)
+    async_engine = AsyncEngine(clients, metrics)
     serving = Serving(async_engine, served_model_name, max_waiting_requests)
 
     @asynccontextmanager
@@ -73,7 +76,8 @@ def build_app(
     # The routers reach these through the request (serving.get_serving), never an import.
     app.state.serving = serving
     app.state.metrics = metrics
-    app.state.model = engine.config.model_config.model
+    app.state.model = info.model
+    app.state.async_engine = async_engine
     _add_error_handlers(app)
     app.include_router(router)
     app.include_router(openai_router)

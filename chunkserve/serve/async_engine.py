@@ -1,38 +1,43 @@
-"""The engine loop in its own thread, fed by a thread-safe queue from the HTTP event loop.
+"""The server's engines as the HTTP event loop sees them: requests in, outputs out, by queue.
 
-The HTTP side never touches the engine's state: it sends `add`/`abort` commands and receives
-each request's `RequestOutput`s on an asyncio queue of its own. The engine thread drains the
-commands, runs one `step()`, hands the outputs back with `call_soon_threadsafe`, and sleeps on
-the command queue when there is nothing to run, so an idle server burns no CPU.
+The HTTP side never touches an engine's state. It sends commands (serve/engine_loop.py) to an
+engine's loop through that engine's client (serve/engine_client.py): one loop on the compute
+thread, or, under `--data-parallel-size N`, N engine processes (serve/engine_proc.py), each
+request routed by `DPRouter` (serve/dp_router.py). Each loop's events come back to `_handle`,
+which runs on whatever thread delivered them: it updates the metrics, which are thread-safe,
+and hands each request's outputs to its asyncio queue with `call_soon_threadsafe`; the
+bookkeeping that admission and the router read is updated on the event loop itself.
 """
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
+import itertools
 import logging
-import queue
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import TYPE_CHECKING
 
-from chunkserve.serve.compute_thread import ComputeThread
-from chunkserve.engine.llm_engine import LLMEngine, StepError
-from chunkserve.engine.processor import EngineRequest
+from chunkserve.engine.processor import EngineRequest, Processor
 from chunkserve.outputs import RequestOutput
+from chunkserve.serve.compute_thread import ComputeThread
+from chunkserve.serve.dp_router import DPRouter
+from chunkserve.serve.engine_client import EngineClient, EngineInfo, InProcessClient
+from chunkserve.serve.engine_loop import (
+    Abort,
+    Add,
+    EngineDeadError,
+    FailAll,
+    LoopEvent,
+    RequestFailedError,
+    ResetPrefixCache,
+    ShuttingDownError,
+)
 from chunkserve.serve.metrics import ServerMetrics
 
+if TYPE_CHECKING:
+    from chunkserve.engine.llm_engine import LLMEngine
+
 log = logging.getLogger("chunkserve.engine")
-
-
-class EngineDeadError(RuntimeError):
-    pass
-
-
-class RequestFailedError(RuntimeError):
-    """The engine failed while running this request; the engine itself carries on."""
-
-
-class ShuttingDownError(EngineDeadError):
-    """The server is stopping and its grace period for in-flight requests is over."""
+__all__ = ["AsyncEngine", "EngineDeadError", "RequestFailedError", "ShuttingDownError", "Ticket"]
 
 
 class Ticket:
@@ -67,81 +72,80 @@ class Ticket:
             self._engine._places_freed()
 
 
-@dataclass
-class _Add:
-    request: EngineRequest
-    sink: asyncio.Queue[RequestOutput | BaseException]
+class _EngineCounts:
+    """One engine's queue as the event loop knows it: requests sent to it, and (from its last
+    event, replaced as one tuple so a reader never pairs a new count with an old one) how many
+    of them it had applied, its waiting queue and its running batch."""
 
+    def __init__(self) -> None:
+        self.sent = 0
+        self.published = (0, 0, 0)  # (applied, waiting, running)
 
-@dataclass
-class _Abort:
-    request_id: str
-
-
-@dataclass
-class _FailAll:
-    reason: str
-
-
-@dataclass
-class _ResetPrefixCache:
-    # Answered from the engine thread: the cache may only change between steps.
-    done: concurrent.futures.Future[int]
-
-
-_STOP = object()
+    @property
+    def queued(self) -> int:
+        """Sent and not yet running: never an undercount, since a request the engine has
+        started still counts until its next event."""
+        applied, waiting, _ = self.published
+        return self.sent - applied + waiting
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, metrics: ServerMetrics | None = None,
-                 compute: ComputeThread | None = None) -> None:
-        """`compute`: the thread that built `engine` (the loop then runs there too: one OpenMP
-        pool, serve/compute_thread.py); a thread of its own when None."""
-        self.engine = engine
+    def __init__(self, engines: LLMEngine | Sequence[EngineClient],
+                 metrics: ServerMetrics | None = None, compute: ComputeThread | None = None,
+                 router: DPRouter | None = None) -> None:
+        """`engines`: one LLMEngine, run on `compute` (the thread that built it; a thread of
+        its own when None), or the clients of several engines, which `router` chooses among
+        (a DPRouter over their block size when None)."""
+        if isinstance(engines, Sequence):
+            self.clients = list(engines)
+        else:
+            self.clients = [InProcessClient(engines, compute)]
+        self.info: EngineInfo = self.clients[0].info
+        self.processor: Processor = self.info.processor
         self.metrics = metrics
-        self._compute = compute or ComputeThread()
-        self._commands: queue.Queue[object] = queue.Queue()
+        self.router = router
+        if router is None and len(self.clients) > 1:
+            self.router = DPRouter(len(self.clients), self.info.block_size)
         self._sinks: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
-        self._num_tokens: dict[str, int] = {}  # output tokens already reported, per request
+        self._engine_of: dict[str, int] = {}  # in-flight request id -> its engine's index
+        self._counts = [_EngineCounts() for _ in self.clients]
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._running: concurrent.futures.Future[None] | None = None  # the loop, on `_compute`
-        # What --max-waiting-requests counts: places reserved by admission, adds sent but not
-        # applied, and the engine's waiting queue. The event loop writes the first two, the
-        # engine thread `_published`: (adds applied, waiting) from one instant, replaced as one
-        # tuple so a reader never pairs a new count with an old one. No lock is needed.
+        self._started = False
+        # What --max-waiting-requests counts: places reserved by admission, plus every
+        # engine's queue (_EngineCounts). Written on the event loop only; no lock is needed.
         self._num_reserved = 0
-        self._num_sent = 0
-        self._num_applied = 0
-        self._published = (0, 0)
-        # Called on the event loop when the count above may have dropped (a release, or the
+        # Called on the event loop when the count above may have dropped (a release, or an
         # engine published a change): admission's pending reservation takes the freed places.
         self._on_freed: Callable[[], None] | None = None
+        # Called (on any thread) once, when an engine dies: the launcher stops the server.
+        self.on_fatal: Callable[[], None] | None = None
         self._closing = False  # the shutdown grace period is over: no new requests
-        self._refusal: str | None = None  # the engine thread's copy of the fail_all reason
-        self.error: BaseException | None = None
+        self._resets: dict[int, tuple[asyncio.Future[int], list[int]]] = {}
+        self._reset_tokens = itertools.count()
+        self.error: str | None = None
         if metrics is not None:
-            # The waiting gauge is this count, read at every scrape (on the event loop, where
-            # the counts it adds up are written): exactly what admission compares with the cap.
-            metrics.track_waiting(lambda: self.num_queued)
+            # Each engine's waiting gauge is its queue, read at every scrape on the event loop
+            # (where the counts it adds up are written). With one engine it is exactly what
+            # admission compares with the cap; with several, reserved places belong to none.
+            for i in range(len(self.clients)):
+                metrics.track_waiting(i, lambda i=i: self._gauge_queued(i))
 
     # ---- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self._running = self._compute.start(self._run)
+        self._started = True
+        for client in self.clients:
+            client.start(self._handle)
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Aborts whatever is still in flight and stops the engine thread."""
-        if self._running is None:
-            return
-        self._commands.put(_STOP)
-        concurrent.futures.wait([self._running], timeout)
-        self._running = None
-        self._compute.shutdown()
-        self.engine.close()
+        """Aborts whatever is still in flight and stops every engine."""
+        for client in self.clients:
+            client.shutdown(timeout)
 
     @property
     def is_healthy(self) -> bool:
-        return self.error is None and self._running is not None and not self._running.done()
+        return (self.error is None and self._started
+                and all(c.is_alive() for c in self.clients))
 
     @property
     def closing(self) -> bool:
@@ -150,17 +154,18 @@ class AsyncEngine:
 
     @property
     def num_waiting(self) -> int:
-        """The engine's waiting queue as of its last step."""
-        return self._published[1]
+        """The engines' waiting queues as of their last steps."""
+        return sum(c.published[1] for c in self._counts)
 
     @property
     def num_queued(self) -> int:
-        """Requests not yet running: what --max-waiting-requests limits, and what the gauge
-        vllm:num_requests_waiting shows. Places reserved by admission (a pending reservation's
-        included), adds not yet applied, and the engine's waiting queue. Never an undercount:
-        a request the engine has started still counts until the engine's next publish."""
-        applied, waiting = self._published
-        return self._num_reserved + self._num_sent - applied + waiting
+        """Requests not yet running: what --max-waiting-requests limits. Places reserved by
+        admission (a pending reservation's included) and every engine's queue."""
+        return self._num_reserved + sum(c.queued for c in self._counts)
+
+    def _gauge_queued(self, index: int) -> int:
+        extra = self._num_reserved if len(self._counts) == 1 else 0
+        return self._counts[index].queued + extra
 
     def reserve(self, num: int) -> Ticket:
         return Ticket(self, num)
@@ -179,12 +184,13 @@ class AsyncEngine:
         """Aborts every in-flight request with a ShuttingDownError and refuses new ones.
 
         The end of the shutdown grace period (called on the event loop): each consumer raises
-        the error, so a stream can still end with an error event. The engine thread does the
+        the error, so a stream can still end with an error event. The engine loops do the
         aborting, after the step in progress, so every output delivered before it (finished
         work included) reaches its consumer first.
         """
         self._closing = True
-        self._commands.put(_FailAll(reason))
+        for client in self.clients:
+            client.send(FailAll(reason))
         self._places_freed()  # a reservation waiting for places gives up now
 
     # ---- the HTTP side ----------------------------------------------------------------------
@@ -193,7 +199,7 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Yields the request's outputs until it finishes; aborts it if the caller goes away.
 
-        `request` comes from the engine's Processor, already validated: the engine thread can
+        `request` comes from the engine's Processor, already validated: the engine loop can
         then only refuse a duplicate id. `ticket` holds the queue place admission reserved.
         """
         request_id = request.request_id
@@ -203,10 +209,13 @@ class AsyncEngine:
             raise ShuttingDownError("the server is shutting down")
         if not self.is_healthy:
             raise EngineDeadError("the engine is not running")
+        index = self.router.route(request.prompt_token_ids) if self.router is not None else 0
         sink: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._sinks[request_id] = sink
-        self._num_sent += 1
-        self._commands.put(_Add(request, sink))
+        self._engine_of[request_id] = index
+        self._counts[index].sent += 1
+        client = self.clients[index]
+        client.send(Add(request))
         finished = False
         try:
             while not finished:
@@ -218,123 +227,100 @@ class AsyncEngine:
                 yield item
         finally:
             self._sinks.pop(request_id, None)
+            self._engine_of.pop(request_id, None)
             if not finished:  # cancelled, disconnected or the consumer stopped early
-                self._commands.put(_Abort(request_id))
+                client.send(Abort(request_id))
 
     async def reset_prefix_cache(self) -> int:
-        """Forgets every cached prefix (POST /reset_prefix_cache), between two steps."""
-        done: concurrent.futures.Future[int] = concurrent.futures.Future()
-        self._commands.put(_ResetPrefixCache(done))
-        return await asyncio.wrap_future(done)
+        """Forgets every engine's cached prefixes (POST /reset_prefix_cache), between steps;
+        the sum of their answers."""
+        assert self._loop is not None, "start() first"
+        token = next(self._reset_tokens)
+        done: asyncio.Future[int] = self._loop.create_future()
+        self._resets[token] = (done, [])
+        for client in self.clients:
+            client.send(ResetPrefixCache(token))
+        return await done
 
-    # ---- the engine thread ------------------------------------------------------------------
-    def _run(self) -> None:
-        try:
-            while True:
-                idle = not self.engine.has_unfinished_requests()
-                if not self._drain_commands(block=idle):
-                    break
-                if self.engine.has_unfinished_requests():
-                    self._step()
-                self._publish_state()
-        except BaseException as e:  # a bug in the loop itself: fail everyone, report unhealthy
-            log.exception("engine loop died")
-            self.error = e
-            for rid in list(self._sinks):
-                self._deliver(rid, EngineDeadError(f"the engine loop died: {e!r}"))
-        finally:
-            self._fail_all(lambda: EngineDeadError("the server is shutting down"))
+    # ---- events from the engine loops (any thread) ------------------------------------------
+    def _handle(self, index: int, ev: LoopEvent) -> None:
+        m = self.metrics
+        if m is not None:
+            if ev.record is not None:
+                m.observe_step(ev.record, index)
+            for _, item, new in ev.outputs:
+                if isinstance(item, RequestOutput):
+                    m.observe_output(item, new)
+            for _ in range(ev.num_aborted):
+                m.observe_aborted()
+            if ev.stats is not None:
+                s = ev.stats
+                m.set_state(index, s.num_running, s.num_waiting, s.kv_usage,
+                            s.kv_internal_fragmentation)
+        self._call_soon(self._apply_event, index, ev)
+        if ev.fatal is not None:
+            self.engine_died(index, ev.fatal)
 
-    def _drain_commands(self, block: bool) -> bool:
-        """Applies all queued commands; returns False when asked to stop."""
-        try:
-            cmd = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
-        except queue.Empty:
-            return True
-        while True:
-            if cmd is _STOP:
-                return False
-            self._apply(cmd)
+    def engine_died(self, index: int, reason: str) -> None:
+        """Engine `index` can serve no more (its loop died, or its process exited): its
+        requests fail, /health turns 503, and `on_fatal` tells the launcher to stop. Any
+        thread."""
+        if self.error is None:
+            self.error = f"engine {index} died: {reason}"
+            log.error("%s", self.error)
+        self._call_soon(self._fail_engine, index)
+        if self.on_fatal is not None:
+            self.on_fatal()
+
+    def _call_soon(self, fn: Callable[..., None], *args: object) -> None:
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
             try:
-                cmd = self._commands.get_nowait()
-            except queue.Empty:
-                return True
+                loop.call_soon_threadsafe(fn, *args)
+            except RuntimeError:  # the loop closed in between: nobody is listening
+                pass
 
-    def _apply(self, cmd: object) -> None:
-        if isinstance(cmd, _Add):
-            self._num_applied += 1
-            rid = cmd.request.request_id
-            if rid not in self._sinks:  # aborted before it reached the engine
-                return
-            if self._refusal is not None:  # sent just before fail_all
-                self._deliver(rid, ShuttingDownError(self._refusal))
-                return
-            try:
-                self.engine.add_engine_request(cmd.request)
-                self._num_tokens[rid] = 0
-            except ValueError as e:
-                self._deliver(rid, e)
-        elif isinstance(cmd, _Abort):
-            if cmd.request_id in self._num_tokens:
-                self.engine.abort_request(cmd.request_id)
-                self._num_tokens.pop(cmd.request_id, None)
-                if self.metrics is not None:
-                    self.metrics.observe_aborted()
-        elif isinstance(cmd, _ResetPrefixCache):
-            cmd.done.set_result(self.engine.reset_prefix_cache())
-        elif isinstance(cmd, _FailAll):
-            self._refusal = cmd.reason
-            self._fail_all(lambda: ShuttingDownError(cmd.reason))
+    # ---- on the event loop -------------------------------------------------------------------
+    def _apply_event(self, index: int, ev: LoopEvent) -> None:
+        for rid, item, _ in ev.outputs:
+            sink = self._sinks.get(rid)
+            if sink is not None:
+                sink.put_nowait(item)
+        for token, result in ev.reset_answers:
+            self._answer_reset(token, result)
+        if ev.stats is not None:
+            self._publish(index, ev.num_applied, ev.stats.num_waiting, ev.stats.num_running)
 
-    def _step(self) -> None:
-        try:
-            result = self.engine.step()
-        except StepError as e:
-            # Contain a failure to the requests of the failed step: fail and drop them, keep
-            # serving the rest. (The scheduler already counted their tokens as computed.)
-            log.exception("engine step failed")
-            self.engine.abort_request(e.request_ids)
-            cause = e.__cause__ or e
-            for rid in e.request_ids:
-                self._num_tokens.pop(rid, None)
-                self._deliver(rid, RequestFailedError(
-                    f"internal error while generating: {cause!r}"))
+    def _publish(self, index: int, applied: int, waiting: int, running: int) -> None:
+        """An engine's counts after a pass of its loop: admission's and the router's view."""
+        counts = self._counts[index]
+        before, counts.published = counts.published, (applied, waiting, running)
+        if self.router is not None:
+            self.router.update(index, counts.queued, running)
+        if counts.published[:2] != before[:2]:
+            self._places_freed()
+
+    def _answer_reset(self, token: int, result: int) -> None:
+        entry = self._resets.get(token)
+        if entry is None:
             return
-        if self.metrics is not None:
-            self.metrics.observe_step(result.record)
-        for out in result.outputs:
-            n = len(out.outputs[0].token_ids)
-            new = n - self._num_tokens.get(out.request_id, 0)
-            self._num_tokens[out.request_id] = n
-            if out.finished:
-                self._num_tokens.pop(out.request_id, None)
-            if self.metrics is not None:
-                self.metrics.observe_output(out, new)
-            self._deliver(out.request_id, out)
+        done, answers = entry
+        answers.append(result)
+        if len(answers) == len(self.clients):
+            del self._resets[token]
+            if not done.done():
+                done.set_result(sum(answers))
 
-    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
-        sink = self._sinks.get(request_id)
-        if sink is not None and self._loop is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(sink.put_nowait, item)
-
-    def _publish_state(self) -> None:
-        stats = self.engine.stats()
-        before, self._published = self._published, (self._num_applied, stats.num_waiting)
-        if (self._published != before and self._on_freed is not None
-                and self._loop is not None and not self._loop.is_closed()):
-            self._loop.call_soon_threadsafe(self._places_freed)
-        if self.metrics is not None:
-            self.metrics.set_state(stats.num_running, stats.num_waiting, stats.kv_usage,
-                                   stats.kv_internal_fragmentation)
-
-    def _fail_all(self, make_error: Callable[[], BaseException]) -> None:
-        """Aborts every request the engine holds; each consumer gets an error of its own."""
-        ids = list(self._num_tokens)
-        if ids:
-            self.engine.abort_request(ids)
-        for rid in ids:
-            if self.metrics is not None:
-                self.metrics.observe_aborted()
-            self._deliver(rid, make_error())
-        self._num_tokens.clear()
-        self._publish_state()
+    def _fail_engine(self, index: int) -> None:
+        """Fails what is still in flight on a dead engine (its loop may not have been able
+        to), and whatever waits for an answer from it."""
+        error = EngineDeadError(self.error or f"engine {index} died")
+        for rid, engine in list(self._engine_of.items()):
+            sink = self._sinks.get(rid)
+            if engine == index and sink is not None:
+                sink.put_nowait(error)
+        for token, (done, _) in list(self._resets.items()):
+            del self._resets[token]
+            if not done.done():
+                done.set_exception(error)
+        self._places_freed()  # a pending reservation gives up now

@@ -21,6 +21,7 @@ from chunkserve.serve.http_protocol import ConnectionLimits, protocol_class
 
 if TYPE_CHECKING:
     from chunkserve.engine.llm_engine import LLMEngine
+    from chunkserve.serve.engine_client import EngineClient
 
 log = logging.getLogger("chunkserve.server")
 # SIGTERM/SIGINT: the process exits 0 within this many seconds (--shutdown-timeout). In-flight
@@ -37,6 +38,11 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="'smollm2-135m' (default), a .gguf file or a HF folder")
     add_engine_args(p)
     s = p.add_argument_group("server")
+    s.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="engine processes behind this server, each with its own scheduler, "
+                        "KV pool and share of the cores; requests go to the least loaded, "
+                        "or to the one that recently served the same prompt prefix "
+                        "(docs/parallel.md)")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", default=os.environ.get("CHUNKSERVE_API_KEY"),
@@ -115,11 +121,27 @@ def build_engine(args: argparse.Namespace) -> LLMEngine:
     return engine
 
 
+def _build_engines(args: argparse.Namespace) -> list[EngineClient]:
+    """One engine built on the thread its loop will run on (one OpenMP pool:
+    serve/compute_thread.py), or --data-parallel-size engine processes."""
+    if args.data_parallel_size > 1:
+        from chunkserve.serve.engine_proc import start_engines
+
+        return list(start_engines(config_from_args(args), args.data_parallel_size))
+    from chunkserve.serve.engine_client import InProcessClient
+
+    compute = ComputeThread()
+    return [InProcessClient(compute.call(lambda: build_engine(args)), compute)]
+
+
 def run_server(args: argparse.Namespace) -> int:
     from chunkserve.serve.api_server import begin_shutdown, build_app
 
     if args.model_tag is not None:
         args.model = args.model_tag
+    if args.node_rank > 0:  # a secondary node: its ranks only (no scheduler, no HTTP server)
+        from chunkserve.engine.tp_headless import run_headless
+        return run_headless(config_from_args(args))
     if args.max_waiting_requests is not None and args.max_waiting_requests < 1:
         raise ValueError("--max-waiting-requests must be at least 1")
     if not args.shutdown_timeout >= 0:
@@ -128,13 +150,16 @@ def run_server(args: argparse.Namespace) -> int:
         raise ValueError("--limit-concurrency must be at least 1")
     if not args.timeout_keep_alive > 0:
         raise ValueError("--timeout-keep-alive must be positive")
+    if args.data_parallel_size < 1:
+        raise ValueError("--data-parallel-size must be at least 1")
+    if args.data_parallel_size > 1 and (args.nnodes > 1 or args.master_port):
+        raise ValueError("--data-parallel-size runs its engines on this node, each with a "
+                         "tensor-parallel group on a free port of its own: --nnodes and "
+                         "--master-port apply to one engine's ranks only (docs/parallel.md)")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     configure_allocator()  # before the engine's and the tokenizer's threads allocate (serve/heap.py)
-    # Built on the thread its loop will run on: one OpenMP pool (serve/compute_thread.py).
-    compute = ComputeThread()
-    engine = compute.call(lambda: build_engine(args))
     name = args.served_model_name or args.model
-    app = build_app(engine, name, args.api_key, args.max_waiting_requests, compute=compute,
+    app = build_app(_build_engines(args), name, args.api_key, args.max_waiting_requests,
                     metrics_require_key=args.metrics_require_key,
                     enable_dev_endpoints=args.enable_dev_endpoints)
     limits = ConnectionLimits(args.header_timeout, args.body_timeout, args.limit_concurrency,
@@ -149,16 +174,20 @@ def run_server(args: argparse.Namespace) -> int:
     )
     abort_after = max(0.0, args.shutdown_timeout - STOP_RESERVE_S)
     server = _Server(config, lambda: begin_shutdown(app, abort_after))
+    # An engine that dies (a tensor-parallel worker or an engine process exited) stops the
+    # server: uvicorn's loop polls should_exit, so setting it from any thread is enough.
+    app.state.async_engine.on_fatal = lambda: setattr(server, "should_exit", True)
     log.info("serving %s as %r on http://%s:%d", args.model, name, args.host, args.port)
     asyncio.run(server.serve())
     if not server.started:  # e.g. the port is taken; uvicorn has logged why
         return UVICORN_STARTUP_FAILURE
+    status = 1 if app.state.async_engine.error is not None else 0
     # Everything is stopped and closed. Skip the interpreter's teardown: unloading torch's
     # modules takes ~1 s of CPU here, time that the --shutdown-timeout deadline would count.
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(status)
 
 
 def _raise_open_files_limit(limit_concurrency: int | None) -> None:

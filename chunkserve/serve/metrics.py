@@ -9,6 +9,7 @@ are bound once in `__init__` and the hot path does only lock-protected adds. `re
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -66,6 +67,20 @@ def build_1_2_5_buckets(max_value: int) -> list[int]:
         exponent += 1
 
 
+@dataclass
+class _EngineGauges:
+    """One engine's children of the per-engine gauge families."""
+
+    running: Gauge
+    waiting: Gauge
+    kv_usage: Gauge
+    fragmentation: Gauge
+    token_budget: Gauge
+    model_error: Gauge
+    labels: tuple[str, str]  # (model_name, engine)
+    waiting_tracked: bool = False
+
+
 class ServerMetrics:
     def __init__(self, model_name: str, max_model_len: int, num_kv_blocks: int | None = None,
                  block_size: int | None = None, cache_dtype: str = "auto") -> None:
@@ -77,11 +92,14 @@ class ServerMetrics:
         self._make_request_metrics(max_model_len)
         self._make_step_metrics()
         self._make_rejected_metrics()
+        self._engine(0)  # engine 0's series exist (at 0) before its first step
 
     # Each metric's child for this server's model_name label is bound once: `.labels()` costs a
     # dict lookup under a lock per call.
     def _gauge(self, name: str, doc: str) -> Gauge:
-        return Gauge(name, doc, ["model_name"], registry=self.registry).labels(self.model_name)
+        """A per-engine gauge family: vLLM labels the engine's state with `engine` (its index
+        under --data-parallel-size, "0" for one engine); bound per engine in `_engine`."""
+        return Gauge(name, doc, ["model_name", "engine"], registry=self.registry)
 
     def _counter(self, name: str, doc: str) -> Counter:
         # prometheus_client appends "_total" to counter samples; passing the bare name gives
@@ -101,7 +119,6 @@ class ServerMetrics:
             "Requests admitted and not yet running: queue places reserved by admission, "
             "requests on their way to the engine and its waiting queue (what "
             "--max-waiting-requests limits).")
-        self._waiting_tracked = False
         self._kv_usage = self._gauge("vllm:kv_cache_usage_perc", "KV-cache usage, 0 to 1.")
         self._fragmentation = self._gauge(
             "chunkserve:kv_cache_internal_fragmentation_tokens",
@@ -180,7 +197,8 @@ class ServerMetrics:
         self._model_coefficient = Gauge(
             "chunkserve:step_model_coefficient",
             "The step-time model's fitted seconds per unit of each cost-model term.",
-            ["model_name", "term"], registry=self.registry)
+            ["model_name", "engine", "term"], registry=self.registry)
+        self._engines: dict[int, _EngineGauges] = {}
 
     def _make_rejected_metrics(self) -> None:
         self._rejected_family = Counter(
@@ -200,22 +218,35 @@ class ServerMetrics:
             child = self._rejected[reason] = self._rejected_family.labels(self.model_name, reason)
         child.inc()
 
-    def track_waiting(self, source: Callable[[], float]) -> None:
-        """vllm:num_requests_waiting reads `source()` at every scrape from now on, and
-        `set_state`'s `num_waiting` is ignored: the server's gauge is the count admission
-        compares with --max-waiting-requests (AsyncEngine.num_queued), never a copy of it."""
-        self._waiting.set_function(source)
-        self._waiting_tracked = True
+    def _engine(self, index: int) -> _EngineGauges:
+        """Engine `index`'s gauge children, bound once (a dict lookup per call after that)."""
+        gauges = self._engines.get(index)
+        if gauges is None:
+            labels = (self.model_name, str(index))
+            gauges = self._engines[index] = _EngineGauges(
+                self._running.labels(*labels), self._waiting.labels(*labels),
+                self._kv_usage.labels(*labels), self._fragmentation.labels(*labels),
+                self._token_budget.labels(*labels), self._model_error.labels(*labels), labels)
+        return gauges
 
-    def set_state(self, num_running: int, num_waiting: int, kv_usage: float,
+    def track_waiting(self, index: int, source: Callable[[], float]) -> None:
+        """Engine `index`'s vllm:num_requests_waiting reads `source()` at every scrape from now
+        on, and `set_state`'s `num_waiting` is ignored: the server's gauge is the count
+        admission compares with --max-waiting-requests (AsyncEngine), never a copy of it."""
+        gauges = self._engine(index)
+        gauges.waiting.set_function(source)
+        gauges.waiting_tracked = True
+
+    def set_state(self, index: int, num_running: int, num_waiting: int, kv_usage: float,
                   fragmentation_tokens: int) -> None:
-        self._running.set(num_running)
-        if not self._waiting_tracked:
-            self._waiting.set(num_waiting)
-        self._kv_usage.set(kv_usage)
-        self._fragmentation.set(fragmentation_tokens)
+        gauges = self._engine(index)
+        gauges.running.set(num_running)
+        if not gauges.waiting_tracked:
+            gauges.waiting.set(num_waiting)
+        gauges.kv_usage.set(kv_usage)
+        gauges.fragmentation.set(fragmentation_tokens)
 
-    def observe_step(self, record: StepRecord) -> None:
+    def observe_step(self, record: StepRecord, index: int = 0) -> None:
         # vLLM does not observe idle iterations; an empty step would only pile up in le="1".
         if record.num_tokens > 0:
             self._iteration_tokens.observe(record.num_tokens)
@@ -227,12 +258,13 @@ class ServerMetrics:
         if record.prefix_cache_queries:
             self._prefix_queries.inc(record.prefix_cache_queries)
             self._prefix_hits.inc(record.prefix_cache_hits)
+        gauges = self._engine(index)
         if record.token_budget is not None:
-            self._token_budget.set(record.token_budget)
+            gauges.token_budget.set(record.token_budget)
         if record.step_model_error is not None:
-            self._model_error.set(record.step_model_error)
+            gauges.model_error.set(record.step_model_error)
         for term, value in (record.step_model_coefficients or {}).items():
-            self._model_coefficient.labels(self.model_name, term).set(value)
+            self._model_coefficient.labels(*gauges.labels, term).set(value)
 
     def observe_output(self, out: RequestOutput, num_new_tokens: int) -> None:
         """Account one emitted RequestOutput; `num_new_tokens` were added since its last one.

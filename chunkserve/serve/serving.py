@@ -53,7 +53,7 @@ class Serving:
     ) -> None:
         self.async_engine = async_engine
         # Read-only from the HTTP threads: validation never waits for the engine loop.
-        self.processor: Processor = async_engine.engine.processor
+        self.processor: Processor = async_engine.processor
         self.tokenizer: Tokenizer = self.processor.tokenizer  # type: ignore[assignment]
         self.model_name = model_name
         self.max_model_len = self.processor.max_model_len

@@ -1,0 +1,209 @@
+"""The engine side of the server: one `LLMEngine` stepped in a loop, fed commands, emitting events.
+
+The loop knows nothing of asyncio, HTTP or where it runs. In one process it runs on the
+compute thread (serve/compute_thread.py) and its events are handled right there; under
+`--data-parallel-size N` each engine process runs one (serve/engine_proc.py) and its events
+cross a torch.multiprocessing queue to the API server. Either way the front end
+(serve/async_engine.py) sees the same `LoopEvent`s, so there is one loop and one handler.
+
+Commands arrive in order on one queue, so an abort always follows its request's add: a request
+aborted before the engine applied it is added and dropped in the same drain.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from chunkserve.engine.executor import FatalExecutorError
+from chunkserve.engine.llm_engine import EngineStats, LLMEngine, StepError
+from chunkserve.engine.processor import EngineRequest
+from chunkserve.engine.trace import StepRecord
+from chunkserve.outputs import RequestOutput
+
+log = logging.getLogger("chunkserve.engine")
+IDLE_WAIT_S = 0.5  # an idle loop wakes this often (a stop is a command, so this is only a bound)
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+class RequestFailedError(RuntimeError):
+    """The engine failed while running this request; the engine itself carries on."""
+
+
+class ShuttingDownError(EngineDeadError):
+    """The server is stopping and its grace period for in-flight requests is over."""
+
+
+# ---- commands (front end -> loop) ---------------------------------------------------------------
+@dataclass(frozen=True)
+class Add:
+    request: EngineRequest
+
+
+@dataclass(frozen=True)
+class Abort:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class FailAll:
+    reason: str
+
+
+@dataclass(frozen=True)
+class ResetPrefixCache:
+    token: int  # echoed in the event that answers it
+
+
+STOP = "stop"  # a plain string: it must compare equal after crossing a process boundary
+
+
+# ---- events (loop -> front end) -----------------------------------------------------------------
+@dataclass
+class LoopEvent:
+    """What one pass of the loop did, in the order the front end must apply it."""
+
+    # (request id, its output or the error that ends it, output tokens new since its last output)
+    outputs: list[tuple[str, RequestOutput | BaseException, int]] = field(default_factory=list)
+    record: StepRecord | None = None  # the step run, if any
+    num_aborted: int = 0  # aborts that emitted no final output (vllm:request_success "abort")
+    num_applied: int = 0  # adds applied so far (the front end counts the ones it sent)
+    stats: EngineStats | None = None  # the engine's state after this pass
+    reset_answers: list[tuple[int, int]] = field(default_factory=list)  # (token, result)
+    fatal: str | None = None  # the loop died: every request it held was failed above
+
+
+class CommandQueue(Protocol):
+    """queue.Queue in one process, a torch.multiprocessing Queue across processes."""
+
+    def get(self, block: bool = True, timeout: float | None = None) -> object: ...
+
+    def get_nowait(self) -> object: ...
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine, commands: CommandQueue,
+                 emit: "EmitFn") -> None:
+        self.engine = engine
+        self.commands = commands
+        self.emit = emit
+        self._num_tokens: dict[str, int] = {}  # output tokens already reported, per request
+        self._num_applied = 0
+        self._refusal: str | None = None  # the FailAll reason: later adds are refused with it
+        self._event = LoopEvent()
+
+    def run(self) -> None:
+        """Until STOP: apply commands, step, emit. A loop that dies fails every request."""
+        try:
+            while True:
+                idle = not self.engine.has_unfinished_requests()
+                if not self._drain_commands(block=idle):
+                    break
+                if self.engine.has_unfinished_requests():
+                    self._step()
+                self._flush()
+        except BaseException as e:  # a dead executor or a bug in the loop: fail everyone
+            log.exception("engine loop died")
+            # A dead executor's own words (which worker, its exit code), not the StepError
+            # wrapping them.
+            cause = e.__cause__ if isinstance(e, StepError) and e.__cause__ else e
+            reason = (str(cause) if isinstance(cause, FatalExecutorError)
+                      else f"the engine loop died: {cause!r}")
+            self._fail_all(EngineDeadError(reason))
+            self._event.fatal = reason
+            self._flush()
+            raise
+        self._fail_all(EngineDeadError("the server is shutting down"))
+        self._flush()
+
+    def _drain_commands(self, block: bool) -> bool:
+        """Applies all queued commands; returns False when asked to stop."""
+        try:
+            cmd = self.commands.get(timeout=IDLE_WAIT_S) if block else self.commands.get_nowait()
+        except queue.Empty:
+            return True
+        while True:
+            if cmd == STOP:
+                return False
+            self._apply(cmd)
+            try:
+                cmd = self.commands.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _apply(self, cmd: object) -> None:
+        ev = self._event
+        if isinstance(cmd, Add):
+            self._num_applied += 1
+            rid = cmd.request.request_id
+            if self._refusal is not None:  # sent just before FailAll
+                ev.outputs.append((rid, ShuttingDownError(self._refusal), 0))
+                return
+            try:
+                self.engine.add_engine_request(cmd.request)
+                self._num_tokens[rid] = 0
+            except ValueError as e:
+                ev.outputs.append((rid, e, 0))
+        elif isinstance(cmd, Abort):
+            if self._num_tokens.pop(cmd.request_id, None) is not None:
+                self.engine.abort_request(cmd.request_id)
+                ev.num_aborted += 1
+        elif isinstance(cmd, ResetPrefixCache):
+            ev.reset_answers.append((cmd.token, self.engine.reset_prefix_cache()))
+        elif isinstance(cmd, FailAll):
+            self._refusal = cmd.reason
+            self._fail_all(ShuttingDownError(cmd.reason))
+
+    def _step(self) -> None:
+        ev = self._event
+        try:
+            result = self.engine.step()
+        except StepError as e:
+            cause = e.__cause__ or e
+            if isinstance(cause, FatalExecutorError):
+                raise  # no step can run any more: the loop dies (run's handler)
+            # Contain a failure to the requests of the failed step: fail and drop them, keep
+            # serving the rest. (The scheduler already counted their tokens as computed.)
+            log.exception("engine step failed")
+            self.engine.abort_request(e.request_ids)
+            for rid in e.request_ids:
+                self._num_tokens.pop(rid, None)
+                ev.outputs.append((rid, RequestFailedError(
+                    f"internal error while generating: {cause!r}"), 0))
+            return
+        ev.record = result.record
+        for out in result.outputs:
+            n = len(out.outputs[0].token_ids)
+            new = n - self._num_tokens.get(out.request_id, 0)
+            self._num_tokens[out.request_id] = n
+            if out.finished:
+                self._num_tokens.pop(out.request_id, None)
+            ev.outputs.append((out.request_id, out, new))
+
+    def _fail_all(self, error: BaseException) -> None:
+        """Aborts every request the engine holds; each consumer gets the error."""
+        ids = list(self._num_tokens)
+        if ids:
+            try:
+                self.engine.abort_request(ids)
+            except Exception:  # noqa: BLE001 - the requests fail below either way
+                log.exception("aborting the engine's requests failed")
+        for rid in ids:
+            self._event.outputs.append((rid, error, 0))
+        self._event.num_aborted += len(ids)
+        self._num_tokens.clear()
+
+    def _flush(self) -> None:
+        """Emits what this pass did, with the engine's state after it."""
+        ev, self._event = self._event, LoopEvent()
+        ev.num_applied = self._num_applied
+        ev.stats = self.engine.stats()
+        self.emit(ev)
+
+
+class EmitFn(Protocol):
+    def __call__(self, event: LoopEvent) -> None: ...

@@ -1,0 +1,187 @@
+"""Data parallelism: engines in processes of their own behind the one API server (issue 30).
+
+`--data-parallel-size N` starts N engine processes with torch.multiprocessing `spawn`. Each
+holds a whole model (or, with `-tp`, rank 0 of its own tensor-parallel group) with its own
+scheduler and KV pool, and runs the same engine loop as a one-engine server
+(serve/engine_loop.py) on its main thread. Commands come in on one queue, the loop's events go
+out on another; a thread in the API server hands them to the front end
+(serve/async_engine.py), which routes each request (serve/dp_router.py).
+
+Each engine gets its own share of the cores (CPU affinity, inherited by its tensor-parallel
+workers), as vLLM gives each CPU rank its own cores. An engine that exits unasked is reported
+to the front end as dead: its requests fail and the server stops. An engine whose API server
+dies exits too (engine/parent_watch.py), so none is left orphaned.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+import torch.multiprocessing as mp
+
+from chunkserve.config import EngineConfig
+from chunkserve.engine.parent_watch import exit_with_parent
+from chunkserve.serve.engine_client import EngineInfo, EventHandler
+from chunkserve.serve.engine_loop import STOP, EngineLoop, LoopEvent
+
+log = logging.getLogger("chunkserve.server")
+POLL_S = 0.2  # how often a waiting reader checks that its engine process still lives
+JOIN_TIMEOUT_S = 10.0  # an engine told to stop that has not within this is killed
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    config: EngineConfig
+    index: int
+    cores: tuple[int, ...]  # the CPUs this engine (and its tensor-parallel workers) may use
+
+
+def split_cores(num_engines: int, cores: list[int] | None = None) -> list[tuple[int, ...]]:
+    """Each engine's cores: the process's CPUs split into equal contiguous runs (the rest
+    unused, so no engine is slower than another), or shared round-robin when there are
+    fewer CPUs than engines."""
+    cpus = sorted(cores if cores is not None else os.sched_getaffinity(0))
+    per = len(cpus) // num_engines
+    if per == 0:
+        return [(cpus[i % len(cpus)],) for i in range(num_engines)]
+    return [tuple(cpus[i * per:(i + 1) * per]) for i in range(num_engines)]
+
+
+def _engine_main(spec: EngineSpec, commands: mp.Queue, events: mp.Queue) -> None:
+    """An engine process: build the engine, say so, run the loop until told to stop."""
+    import torch
+
+    from chunkserve.engine.llm_engine import LLMEngine
+
+    exit_with_parent()
+    logging.basicConfig(level=logging.INFO,
+                        format=f"%(levelname)s engine-{spec.index} %(name)s: %(message)s")
+    os.sched_setaffinity(0, spec.cores)
+    torch.set_num_threads(len(spec.cores))
+    try:
+        engine = LLMEngine.from_config(spec.config)
+        engine.commit_kv_memory()
+    except Exception as e:  # noqa: BLE001 - reported to the server, which says it once
+        events.put(("error", f"{type(e).__name__}: {e}"))
+        sys.exit(1)
+    events.put(("ready", EngineInfo.of(engine)))
+    try:
+        EngineLoop(engine, commands, events.put).run()
+    except BaseException:  # the loop logged it and failed its requests; exit non-zero
+        sys.exit(1)
+    finally:
+        engine.close()
+
+
+class EngineProcessClient:
+    """One engine process, as the front end's EngineClient (serve/engine_client.py)."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        ctx = mp.get_context("spawn")
+        self.index = spec.index
+        self._commands = ctx.Queue()
+        self._events = ctx.Queue()
+        # Not a daemon: a daemon process may not start the tensor-parallel workers of its own.
+        self.process = ctx.Process(target=_engine_main, name=f"engine-{spec.index}",
+                                   args=(spec, self._commands, self._events))
+        self.process.start()
+        self._stopping = False
+        self._receiver: threading.Thread | None = None
+        self.info: EngineInfo  # set by wait_ready
+
+    def wait_ready(self, timeout: float) -> EngineInfo:
+        """Blocks until the engine has loaded; raises with its reason if it could not (a
+        ValueError, like the one-engine server's refusals: the CLI prints it, no traceback)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            msg = self._get()
+            if msg is not None:
+                kind, payload = msg
+                if kind == "error":
+                    raise ValueError(f"engine {self.index} failed to start: {payload}")
+                self.info = payload
+                return payload
+            if not self.process.is_alive():
+                raise ValueError(f"engine {self.index} exited with code "
+                                   f"{self.process.exitcode} while loading")
+            if time.monotonic() > deadline:
+                raise ValueError(f"engine {self.index} did not load within {timeout:g} s")
+
+    def start(self, handle: EventHandler) -> None:
+        self._receiver = threading.Thread(target=self._receive, args=(handle,), daemon=True,
+                                          name=f"engine-{self.index}-events")
+        self._receiver.start()
+
+    def send(self, command: object) -> None:
+        self._commands.put(command)
+
+    def is_alive(self) -> bool:
+        return self.process.is_alive()
+
+    def shutdown(self, timeout: float) -> None:
+        if self._stopping:
+            return
+        self._stopping = True
+        if self.process.is_alive():
+            self._commands.put(STOP)
+            self.process.join(min(timeout, JOIN_TIMEOUT_S))
+        if self.process.is_alive():
+            log.warning("engine %d did not stop in time: killed", self.index)
+            self.process.kill()
+            self.process.join()
+        if self._receiver is not None:
+            self._receiver.join(timeout)
+        # Dropped now, not at interpreter exit (which the server skips): their semaphores
+        # are unlinked as they go, instead of being reported as leaked.
+        self._commands.close()
+        self._events.close()
+        del self._commands, self._events
+
+    def _get(self) -> object | None:
+        try:
+            return self._events.get(timeout=POLL_S)
+        except queue.Empty:
+            return None
+
+    def _receive(self, handle: EventHandler) -> None:
+        """Forwards the loop's events until the process is gone and its queue drained; an
+        exit nobody asked for is reported as the engine's death."""
+        fatal_seen = False
+        while True:
+            ev = self._get()
+            if isinstance(ev, LoopEvent):
+                fatal_seen = fatal_seen or ev.fatal is not None
+                handle(self.index, ev)
+            elif ev is None and not self.process.is_alive():
+                ev = self._get()  # what it sent just before exiting
+                if isinstance(ev, LoopEvent):
+                    handle(self.index, ev)
+                    continue
+                if not self._stopping and not fatal_seen:
+                    handle(self.index, LoopEvent(
+                        fatal=f"its process exited with code {self.process.exitcode}"))
+                return
+
+
+def start_engines(config: EngineConfig, num_engines: int,
+                  timeout: float = 600.0) -> list[EngineProcessClient]:
+    """`num_engines` engine processes, loaded in parallel; all stopped if any fails."""
+    specs = [EngineSpec(config, i, cores) for i, cores in enumerate(split_cores(num_engines))]
+    clients: list[EngineProcessClient] = []
+    try:
+        for spec in specs:
+            clients.append(EngineProcessClient(spec))
+        for client in clients:
+            client.wait_ready(timeout)
+    except BaseException:
+        for client in clients:
+            client.shutdown(JOIN_TIMEOUT_S)
+        raise
+    log.info("%d data-parallel engines ready, cores %s", num_engines,
+             [list(s.cores) for s in specs])
+    return clients
