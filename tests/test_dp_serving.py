@@ -106,18 +106,30 @@ class _Stream:
         return None
 
 
+def _dp_server(model: str, tp: int) -> RemoteServer:
+    return RemoteServer(model, ["-dp", "2", "-tp", str(tp), "--dtype", "float32",
+                                "--max-num-batched-tokens", "64",
+                                "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)])
+
+
 @pytest.fixture
-def dp_server(tiny_model_dir: str) -> Iterator[RemoteServer]:
+def dp_tp_server(tiny_model_dir: str) -> Iterator[RemoteServer]:
     # DP x TP: two engines of two ranks each, four processes on this machine's cores.
-    server = RemoteServer(tiny_model_dir, ["-dp", "2", "-tp", "2", "--dtype", "float32",
-                                           "--max-num-batched-tokens", "64",
-                                           "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)])
+    server = _dp_server(tiny_model_dir, tp=2)
     yield server
     server.close()
 
 
-def test_two_engines_share_the_load_and_stop_with_the_server(dp_server: RemoteServer) -> None:
-    server = dp_server
+@pytest.fixture
+def dp_server(tiny_model_dir: str) -> Iterator[RemoteServer]:
+    server = _dp_server(tiny_model_dir, tp=1)
+    yield server
+    server.close()
+
+
+def test_two_engines_share_the_load_and_stop_with_the_server(dp_tp_server: RemoteServer
+                                                             ) -> None:
+    server = dp_tp_server
     assert server.proc is not None
     procs = _workers(server.proc.pid)
     assert len(procs) == 4  # two engine processes, each with one tensor-parallel worker
@@ -150,7 +162,7 @@ def test_a_dead_engine_fails_its_requests_and_stops_the_server(dp_server: Remote
         s.first_token()
     procs = _workers(server.proc.pid)
     engines = [p for p in _children(server.proc.pid) if p in procs]
-    assert len(engines) == 2
+    assert len(engines) == 2 == len(procs)
     os.kill(engines[1], signal.SIGKILL)
     errors = [s.finish() for s in streams]
     # The dead engine's request ends with an error event. The other engine's runs on into the

@@ -81,6 +81,19 @@ def test_int8_weights_give_the_same_tokens(tiny_model_dir: str) -> None:
                  quantization="int8")
 
 
+def test_int4_weights_give_the_same_tokens(tiny_model_dir: str) -> None:
+    """int4 in groups of 32 inputs (GGUF's Q4_1 blocks): the row-parallel splits of o_proj and
+    down fall on group boundaries (32 and 64 inputs a rank here), so each rank holds exactly
+    one process's groups, and the C kernel's float32 partial sums add up alike. (PyTorch's int4
+    kernel, where AVX512_BF16 is missing, rounds each rank's partial sums to bfloat16.)"""
+    from chunkserve.model.layers import group_gemm
+
+    if group_gemm.available() is None:
+        pytest.skip("no C group GEMM (AVX512_BF16) here: bfloat16 partial sums differ")
+    _same_tokens(tiny_model_dir, max_num_batched_tokens=16, num_kv_blocks=64,
+                 quantization="int4")
+
+
 def test_logprobs_agree_within_float32_rounding(tiny_model_dir: str) -> None:
     """The gathered logits themselves: every prompt position's top-5 log-probs (prompt
     logprobs) and each sampled token's, two ranks against one, float32."""
