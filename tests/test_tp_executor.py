@@ -71,12 +71,13 @@ def test_two_ranks_give_one_process_tokens(tiny_model_dir: str, kwargs: dict) ->
 def test_int8_weights_give_the_same_tokens(tiny_model_dir: str) -> None:
     """int8 in groups of 32 (the C group GEMM): each rank quantizes its shard, in groups the
     split never cuts, and a float32 model's partial sums stay float32 into the all-reduce.
-    (Per-channel int8, the kernel where AVX512_BF16 is missing, takes each output channel's
-    scale over the rank's columns: not the same weights as one process, so not compared.)"""
+    (Per-channel int8, the kernel where AVX512_BF16 is missing, holds one process's levels on
+    every rank too (test_tp_sharding.py), but PyTorch's kernel rounds each rank's partial sums
+    to bfloat16 before the all-reduce: not compared token for token.)"""
     from chunkserve.model.layers import group_gemm
 
     if group_gemm.available() is None:
-        pytest.skip("no C group GEMM (AVX512_BF16) here: per-channel int8 shards differ")
+        pytest.skip("no C group GEMM (AVX512_BF16) here: bfloat16 partial sums differ")
     _same_tokens(tiny_model_dir, max_num_batched_tokens=16, num_kv_blocks=64,
                  quantization="int8")
 

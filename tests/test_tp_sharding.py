@@ -206,3 +206,39 @@ def test_refuses_bad_rank_and_unknown_tensors(models) -> None:
     with pytest.raises(ValueError, match="no tensor-parallel rule"):
         shard_weights({"model.layers.0.mlp.extra_proj.weight": torch.zeros(4, 4)}, config,
                       architecture(config.architecture), 2, 0)
+
+
+class _BuildOnly:
+    """A rank's collectives that are never called: enough to build its shard of a model."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank, self.world_size = rank, world_size
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        raise AssertionError("not run")
+
+    def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        raise AssertionError("not run")
+
+
+def test_per_channel_int8_shards_are_one_process_levels(tiny_model_dir: str,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Quantize, then shard: with one scale per output channel (PyTorch's int8 kernel, where
+    AVX512_BF16 is missing), each rank's o_proj and down_proj hold one process's int8 levels
+    and scales for their input columns, not levels re-scaled over those columns alone."""
+    from chunkserve.model.factory import load_model
+    from chunkserve.model.layers import group_gemm
+    from chunkserve.model.layers.linear import TorchInt8
+
+    monkeypatch.setattr(group_gemm, "available", lambda: None)
+    load = dict(dtype="float32", quantization="int8")
+    one = load_model(tiny_model_dir, **load).model  # type: ignore[arg-type]
+    ranks = [load_model(tiny_model_dir, tp_group=_BuildOnly(r, 2), **load).model  # type: ignore[arg-type]
+             for r in range(2)]
+    for attr in ("o", "down"):
+        whole = getattr(one.layers[0], attr).kernel
+        assert isinstance(whole, TorchInt8)
+        parts = [getattr(m.layers[0], attr).kernel for m in ranks]
+        assert torch.equal(torch.cat([p.qweight for p in parts], dim=1), whole.qweight), attr
+        for p in parts:
+            assert torch.equal(p.scales, whole.scales), attr

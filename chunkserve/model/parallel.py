@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from chunkserve.model.models.config import DecoderConfig
-from chunkserve.model.models.llama import LlamaForCausalLM, Weights
+from chunkserve.model.models.llama import ROW_ABSMAX, LlamaForCausalLM, Weights
 
 # Rows per rank are rounded up to this (vLLM's DEFAULT_VOCAB_PADDING_SIZE): aligned GEMM shapes.
 VOCAB_PAD = 64
@@ -44,6 +44,10 @@ _LAYER_TENSOR = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
 _SPLITS = {"self_attn.q_proj": "q", "self_attn.k_proj": "kv", "self_attn.v_proj": "kv",
            "mlp.gate_proj": "mlp", "mlp.up_proj": "mlp",
            "self_attn.o_proj": "o", "mlp.down_proj": "down"}
+_ROW_PARALLEL = ("o", "down")  # the kinds split by input columns, summed by an all-reduce
+# Quantize, then shard: beside a row-parallel weight's shard goes its full rows' largest |w|
+# (models/llama.py, ROW_ABSMAX). Group formats (int8 and int4 in groups of 32) need nothing:
+# the splits fall on group boundaries.
 
 
 @dataclass(frozen=True)
@@ -204,7 +208,7 @@ def _shard_layer_tensor(name: str, t: torch.Tensor, config: DecoderConfig,
         # Refused, not replicated: a linear we do not know how to split would run wrong.
         raise ValueError(f"{arch.hf_architectures[0]}: no tensor-parallel rule for layer "
                          f"tensor {name!r}.")
-    if kind in ("o", "down"):
+    if kind in _ROW_PARALLEL:
         return _split_row_parallel(t, kind, is_bias, s)
     return _split_rows(t, kind, s)
 
@@ -232,6 +236,8 @@ def shard_weights(weights: Weights, config: DecoderConfig, arch: type[LlamaForCa
         if layer is not None:
             within = name[len(f"model.layers.{layer.group(1)}."):]
             out[name] = _shard_layer_tensor(within, t, config, arch, s)
+            if _SPLITS.get(within.removesuffix(".weight")) in _ROW_PARALLEL:
+                out[name.removesuffix(".weight") + ROW_ABSMAX] = t.float().abs().amax(dim=1)
         elif name in ("model.embed_tokens.weight", "lm_head.weight"):
             out[name] = _shard_vocab(t, s)
         elif name.endswith(_REPLICATED_SUFFIXES):

@@ -64,9 +64,12 @@ class TorchInt8:
 
     max_rows = INT8_KERNEL_MAX_ROWS
 
-    def __init__(self, w: torch.Tensor) -> None:
+    def __init__(self, w: torch.Tensor, row_absmax: torch.Tensor | None = None) -> None:
+        """`row_absmax`: each output channel's largest |w| over all its inputs, when `w` holds
+        only some (a tensor-parallel rank's row-parallel shard); default: `w`'s own."""
         # Symmetric per output channel; an all-zero row keeps a tiny scale instead of 0/0.
-        scales = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
+        absmax = w.abs().amax(dim=1) if row_absmax is None else row_absmax.float()
+        scales = (absmax / 127.0).clamp_min(1e-12)
         self.qweight = torch.round(w / scales[:, None]).clamp_(-127, 127).to(torch.int8)
         self.scales = scales  # float32, for the dequantized path
         self.scales_bf16 = scales.to(torch.bfloat16)  # the kernel takes the activations' dtype
@@ -97,7 +100,9 @@ class Int8Linear(QuantizedLinear):
     than one scale per channel. Elsewhere: one scale per channel through PyTorch's kernel."""
 
     def __init__(self, weight: torch.Tensor, dtype: torch.dtype = torch.float32,
-                 bias: torch.Tensor | None = None) -> None:
+                 bias: torch.Tensor | None = None, row_absmax: torch.Tensor | None = None
+                 ) -> None:
+        """`row_absmax`: see TorchInt8 (groups of 32 need none: a shard keeps whole groups)."""
         w = weight.float()
         fn = group_gemm.available() if w.shape[1] % GROUP == 0 else None
         levels, scales = quantize_int8_groups(w) if fn is not None else (None, None)
@@ -105,7 +110,7 @@ class Int8Linear(QuantizedLinear):
         if levels is not None and group_gemm.fits_float16(scales):
             kernel = group_gemm.GroupGemm.int8(fn, levels, scales, C_KERNEL_MAX_ROWS)
         else:
-            kernel = TorchInt8(w)
+            kernel = TorchInt8(w, row_absmax)
         super().__init__(kernel, kernel.dequantized(), dtype, bias)
 
     def dequantized(self) -> torch.Tensor:
@@ -114,11 +119,12 @@ class Int8Linear(QuantizedLinear):
 
 
 def make_linear(weight: torch.Tensor, quantization: str | None,
-                dtype: torch.dtype | None = None, bias: torch.Tensor | None = None) -> Linear:
+                dtype: torch.dtype | None = None, bias: torch.Tensor | None = None,
+                row_absmax: torch.Tensor | None = None) -> Linear:
     """`dtype`: the compute dtype (default: the weight's). `quantization`: None (dense), "int8",
     "int4" (linear_int4.py), or "auto": int4 where the weight already is 4-bit in GGUF's
     blocks (exact), else int8. `bias` (or None) is added in the compute dtype, never
-    quantized."""
+    quantized. `row_absmax`: a tensor-parallel shard's full rows' largest |w| (TorchInt8)."""
     dtype = dtype or weight.dtype
     if quantization is None:
         return DenseLinear(weight.to(dtype), bias)
@@ -132,4 +138,4 @@ def make_linear(weight: torch.Tensor, quantization: str | None,
     exact = exact_int4(weight.float()) if quantization == "auto" else None
     if exact:
         return Int4Linear(weight, dtype, exact, bias)
-    return Int8Linear(weight, dtype, bias)
+    return Int8Linear(weight, dtype, bias, row_absmax)

@@ -45,6 +45,13 @@ def _take_norm(arch: type[LlamaForCausalLM], w: Weights, name: str,
     return weight + arch.norm_weight_offset if arch.norm_weight_offset else weight
 
 
+# Quantize, then shard: a tensor-parallel rank's row-parallel weight (o_proj, down_proj: some
+# of each output channel's inputs) comes with "<linear>.row_absmax", its full rows' largest |w|
+# (model/parallel.py). A scale per output channel taken over the rank's inputs alone would give
+# each rank other int8 levels than one process's; with it they are one process's, sliced.
+ROW_ABSMAX = ".row_absmax"
+
+
 class LlamaLayer:
     def __init__(self, arch: type[LlamaForCausalLM], w: Weights, i: int, dtype: torch.dtype,
                  device: torch.device, quantization: str | None = None) -> None:
@@ -58,7 +65,12 @@ class LlamaLayer:
             bias = None
             if any(f"{p}{n}.bias" in w for n in parts):
                 bias = torch.cat([_take(w, f"{p}{n}.bias", torch.float32, device) for n in parts])
-            return make_linear(weight, quantization, dtype, bias)
+            # A tensor-parallel rank's row-parallel shard comes with its full rows' largest
+            # |w| (model/parallel.py, ROW_ABSMAX), for one process's per-channel int8 scales.
+            absmax = [f"{p}{n}{ROW_ABSMAX}" for n in parts]
+            row_absmax = (torch.cat([_take(w, a, torch.float32, device) for a in absmax])
+                          if absmax[0] in w else None)
+            return make_linear(weight, quantization, dtype, bias, row_absmax)
 
         self.input_norm = _take_norm(arch, w, p + "input_layernorm.weight", device)
         self.post_norm = _take_norm(arch, w, p + "post_attention_layernorm.weight", device)
