@@ -196,3 +196,29 @@ def test_threads_split_the_cores() -> None:
     assert threads_per_rank(2, cores=16) == 8
     with pytest.raises(ValueError, match="at least 2 ranks"):
         TensorParallelExecutor(None, 1)  # type: ignore[arg-type]
+
+
+def test_the_adaptive_policy_probes_on_every_rank(tiny_model_dir: str, caplog) -> None:
+    """The adaptive policy's start-up probe runs its steps on the tensor-parallel group (a
+    probe on rank 0 alone would hang the others' collectives); the engine then plans with the
+    fit and gives one process's greedy tokens."""
+    import logging
+
+    from chunkserve import LLM
+    from chunkserve.sim.online_model import OnlineCostModel
+
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    common = dict(model=tiny_model_dir, dtype="float32", quantization="none",
+                  max_model_len=256)
+    one = LLM(**common)
+    expected = [o.outputs[0].token_ids for o in one.generate(PROMPTS, params)]
+    one.engine.close()
+    with caplog.at_level(logging.INFO, logger="chunkserve.engine.llm_engine"):
+        llm = LLM(tensor_parallel_size=2, chunk_policy="adaptive", **common)
+    try:
+        assert isinstance(llm.engine.step_model, OnlineCostModel)
+        assert "adaptive on the engine's own step-time model (probed" in caplog.text
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+        assert got == expected
+    finally:
+        llm.engine.close()

@@ -118,10 +118,6 @@ def default_chunk_policy(args: argparse.Namespace, serving: bool) -> str:
     chunking = (args.enable_chunked_prefill is not False
                 and args.scheduler not in NO_CHUNK_SCHEDULERS)
     auto = serving and chunking and args.max_num_batched_tokens is None
-    # The engine's own step-time probe runs on one rank: tensor parallelism stays static
-    # unless a --cost-model is given.
-    if getattr(args, "tensor_parallel_size", 1) > 1 and getattr(args, "cost_model", None) is None:
-        auto = False
     return "adaptive" if auto else "static"
 
 

@@ -127,6 +127,11 @@ class LLMEngine:
         executor: Executor
         if config.parallel_config.tensor_parallel_size > 1:
             executor, loaded, config = _tensor_parallel(config, loaded)
+            try:
+                warm_start_step_model(loaded, config, executor)
+            except BaseException:
+                executor.close()
+                raise
         else:
             if loaded is None:
                 loaded = load_configured(config.model_config)
@@ -301,24 +306,51 @@ class LLMEngine:
 def _tensor_parallel(config: EngineConfig, loaded: LoadedModel | None
                      ) -> tuple[Executor, LoadedModel, EngineConfig]:
     """The ranks' executor, rank 0's load and the config resolved against it. Each rank loads
-    its own shard, so a model loaded beforehand cannot be shared; and the adaptive policy's
-    start-up probe would step one rank alone, so it needs a fixed --cost-model."""
+    its own shard, so a model loaded beforehand cannot be shared."""
     from chunkserve.engine.tp_executor import TensorParallelExecutor
 
     if loaded is not None:
         raise ValueError("tensor parallelism loads the model on every rank: pass the model "
                          "name, not a loaded model")
-    if isinstance(config.scheduler_config.step_time, LearnedStepTime):
-        raise ValueError("--tensor-parallel-size > 1 with the adaptive chunk policy needs "
-                         "--cost-model (or --max-num-batched-tokens for a static budget): "
-                         "the engine's own step-time probe runs on one rank")
     executor = TensorParallelExecutor(config, config.parallel_config.tensor_parallel_size)
     return executor, executor.loaded, executor.config
 
 
-def warm_start_step_model(loaded: LoadedModel, config: EngineConfig) -> None:
+class _Borrowed:
+    """An executor lent to the probe's scratch engine: its steps run there, its close() does
+    not close it."""
+
+    def __init__(self, executor: Executor) -> None:
+        self.executor = executor
+        self.num_kv_blocks = executor.num_kv_blocks
+        self.num_swap_blocks = executor.num_swap_blocks
+        self.kv_cache_groups = executor.kv_cache_groups
+        self.execute = executor.execute
+        self.commit_kv_memory = executor.commit_kv_memory
+
+    def close(self) -> None:
+        pass
+
+
+def _scratch_engine(loaded: LoadedModel, scratch: EngineConfig,
+                    executor: Executor | None) -> LLMEngine:
+    """The probe's engine: over the loaded model with a runner and KV pool of its own, or on
+    `executor` (a tensor-parallel group's, whose every rank must run the probe's steps; a
+    second group would load the model again). The probe's requests are gone when it ends."""
+    if executor is None:
+        return LLMEngine.from_config(scratch, loaded=loaded)
+    mc = scratch.model_config
+    resolved = scratch.resolve(loaded.max_model_len, device=mc.device, dtype=mc.dtype)
+    processor = Processor(resolved.max_model_len, loaded.config.vocab_size, loaded.tokenizer,
+                          loaded.config.eos_token_ids or None)
+    return LLMEngine(resolved, _Borrowed(executor), processor)
+
+
+def warm_start_step_model(loaded: LoadedModel, config: EngineConfig,
+                          executor: Executor | None = None) -> None:
     """Readies a learning step-time model before the scheduler plans with it: from its cache,
-    else by the start-up probe (engine/step_probe.py). Logs the choice the engine made."""
+    else by the start-up probe (engine/step_probe.py), run on `executor` when given (tensor
+    parallelism: every rank steps). Logs the choice the engine made."""
     sc = config.scheduler_config
     step_time = sc.step_time
     if not isinstance(step_time, LearnedStepTime):
@@ -327,7 +359,7 @@ def warm_start_step_model(loaded: LoadedModel, config: EngineConfig) -> None:
 
     t0 = time.monotonic()
     def probe() -> list[StepObservation]:
-        return run_probe(lambda scratch: LLMEngine.from_config(scratch, loaded=loaded), config,
+        return run_probe(lambda scratch: _scratch_engine(loaded, scratch, executor), config,
                          loaded.config.vocab_size,
                          group_layers(loaded.model.layer_windows()).num_groups)
 

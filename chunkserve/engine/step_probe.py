@@ -87,6 +87,10 @@ def probe_identity(loaded: LoadedModel, config: EngineConfig) -> dict[str, str]:
     }
     if mc.device == "cuda":
         identity["gpu"] = torch.cuda.get_device_name()
+    pc = config.parallel_config
+    if pc.tensor_parallel_size > 1:  # (absent at 1: one process's cached fits stay valid)
+        identity["tensor_parallel_size"] = str(pc.tensor_parallel_size)
+        identity["nnodes"] = str(pc.nnodes)
     if os.path.exists(loaded.path):  # the same name with other weights is another model
         stat = os.stat(loaded.path)
         identity["model_file"] = f"{stat.st_size}:{int(stat.st_mtime)}"
