@@ -242,3 +242,30 @@ def test_per_channel_int8_shards_are_one_process_levels(tiny_model_dir: str,
         assert torch.equal(torch.cat([p.qweight for p in parts], dim=1), whole.qweight), attr
         for p in parts:
             assert torch.equal(p.scales, whole.scales), attr
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_checkpoint_tensors_are_read_once_when_taken(tiny_model_dir: str, tp: int,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Weights load lazily (model/loaders/lazy.py): loading checks shapes from the files'
+    index and reads nothing; building the model (or a rank's shard of it) reads each tensor
+    once, so the whole checkpoint is never held beside the model."""
+    from safetensors import safe_open
+
+    from chunkserve.model.factory import load_model
+    from chunkserve.model.loaders import safetensors as st
+    from chunkserve.model.loaders.source import load_weights
+
+    reads: list[str] = []
+    real = st._read_float32
+    monkeypatch.setattr(st, "_read_float32",
+                        lambda handle, name: reads.append(name) or real(handle, name))
+    load_weights(tiny_model_dir)
+    assert reads == []
+    group = _BuildOnly(0, tp) if tp > 1 else None
+    load_model(tiny_model_dir, dtype="float32", quantization="none", tp_group=group)
+    import glob
+    stored = set()
+    for file in glob.glob(f"{tiny_model_dir}/*.safetensors"):
+        stored |= set(safe_open(file, framework="pt").keys())
+    assert sorted(reads) == sorted(stored)  # every tensor, each once

@@ -8,6 +8,7 @@ declared by the architecture's class (models/).
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import gguf
@@ -15,6 +16,7 @@ import numpy as np
 import torch
 
 from chunkserve.gguf_file import open_gguf
+from chunkserve.model.loaders.lazy import LazyWeights
 from chunkserve.model.loaders.gguf_config import ROPE_TENSORS, read_config
 from chunkserve.model.models.config import DecoderConfig
 from chunkserve.model.models.registry import Architecture, architecture
@@ -77,13 +79,18 @@ def hf_name(gguf_name: str, arch: Architecture) -> str | None:
     return None if name is None else f"model.layers.{int(parts[1])}.{name}.{parts[3]}"
 
 
-def _dequantize(tensor: Any) -> np.ndarray:
+def _check_type(tensor: Any) -> GGMLType:
     qtype = GGMLType(tensor.tensor_type)
     if qtype not in SUPPORTED_TYPES:
         raise ValueError(
             f"GGUF tensor {tensor.name!r} has type {qtype.name}, which is not supported "
             f"(supported: {', '.join(sorted(t.name for t in SUPPORTED_TYPES))})."
         )
+    return qtype
+
+
+def _dequantize(tensor: Any) -> np.ndarray:
+    qtype = _check_type(tensor)
     values = gguf.quants.dequantize(tensor.data, qtype)
     # GGUF lists dims fastest-first (ne0 = columns); numpy/torch want slowest-first, which for a
     # linear layer gives HF's [out_features, in_features].
@@ -98,12 +105,12 @@ def read_gguf_config(path: str) -> DecoderConfig:
     return read_config(open_gguf(path), path, _dequantize)
 
 
-def load_gguf(path: str) -> tuple[DecoderConfig, dict[str, torch.Tensor]]:
-    """Config and float32 tensors under HF names from a GGUF file."""
+def load_gguf(path: str) -> tuple[DecoderConfig, LazyWeights]:
+    """Config and float32 tensors under HF names from a GGUF file, dequantized as taken."""
     reader = open_gguf(path)
     config = read_config(reader, path, _dequantize)
     arch = architecture(config.architecture)
-    weights: dict[str, torch.Tensor] = {}
+    weights = LazyWeights()  # each tensor dequantized when the model takes it (loaders/lazy.py)
     for tensor in reader.tensors:
         if tensor.name in ROPE_TENSORS:
             continue
@@ -111,9 +118,16 @@ def load_gguf(path: str) -> tuple[DecoderConfig, dict[str, torch.Tensor]]:
         if name is None:
             raise ValueError(f"{path}: unexpected tensor {tensor.name!r} for a "
                              f"{arch.hf_architectures[0]} model (MoE or extra layers?).")
-        weights[name] = _from_gguf_values(torch.from_numpy(_dequantize(tensor)), name, arch,
-                                          config)
+        _check_type(tensor)  # refused at load, by name, not when the model first takes it
+        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        weights.add(name, partial(_read_float32, tensor, name, arch, config), shape)
     return config, weights
+
+
+def _read_float32(tensor: Any, name: str, arch: Architecture,
+                  config: DecoderConfig) -> torch.Tensor:
+    """One tensor dequantized from the file's memory map, in HF's layout."""
+    return _from_gguf_values(torch.from_numpy(_dequantize(tensor)), name, arch, config)
 
 
 def _from_gguf_values(t: torch.Tensor, name: str, arch: Architecture,

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+from functools import partial
 from glob import glob
+from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file
+
+from chunkserve.model.loaders.lazy import LazyWeights
 
 from chunkserve.model.models.config import DecoderConfig
 from chunkserve.model.models.registry import config_from_hf
@@ -74,8 +77,8 @@ def read_hf_config(path: str) -> DecoderConfig:
     return config
 
 
-def load_hf_dir(path: str) -> tuple[DecoderConfig, dict[str, torch.Tensor]]:
-    """Config and float32 tensors under HF names from a checkpoint folder."""
+def load_hf_dir(path: str) -> tuple[DecoderConfig, LazyWeights]:
+    """Config and float32 tensors under HF names from a checkpoint folder, read as taken."""
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ValueError(f"{path}: not a Hugging Face model folder (no config.json).")
     files = _safetensors_files(path)
@@ -83,12 +86,19 @@ def load_hf_dir(path: str) -> tuple[DecoderConfig, dict[str, torch.Tensor]]:
         raise ValueError(f"{path}: no *.safetensors files (only safetensors checkpoints are supported).")
     config = read_hf_config(path)
 
-    weights: dict[str, torch.Tensor] = {}
+    weights = LazyWeights()  # each tensor read when the model takes it (loaders/lazy.py)
     for file in files:
-        for name, tensor in load_file(file, device="cpu").items():
-            if name.endswith("rotary_emb.inv_freq"):
+        handle = safe_open(file, framework="pt")
+        for stored in handle.keys():
+            if stored.endswith("rotary_emb.inv_freq"):
                 continue  # a derived buffer some old checkpoints saved; we recompute it
+            name = stored
             if not name.startswith(("model.", "lm_head.")):
                 name = f"model.{name}"  # saved from the bare decoder model, without the LM wrapper
-            weights[name] = tensor.to(torch.float32)
+            shape = tuple(handle.get_slice(stored).get_shape())
+            weights.add(name, partial(_read_float32, handle, stored), shape)
     return config, weights
+
+
+def _read_float32(handle: Any, name: str) -> torch.Tensor:
+    return handle.get_tensor(name).to(torch.float32)

@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import MutableMapping
 
 import torch
 
 from chunkserve.config import LOAD_FORMATS
 from chunkserve.model.loaders.dummy import dummy_weights
 from chunkserve.model.loaders.gguf import load_gguf, read_gguf_config
+from chunkserve.model.loaders.lazy import tensor_shape
 from chunkserve.model.loaders.gguf_packages import (PACKAGED_MODELS, locate_packaged_gguf,
                                                     packaged_model)
 from chunkserve.model.loaders.safetensors import load_hf_dir, read_hf_config
@@ -69,7 +71,8 @@ def is_model_preset(name: str) -> bool:
     return name in model_preset_names()
 
 
-def _check_weights(path: str, config: DecoderConfig, weights: dict[str, torch.Tensor]) -> None:
+def _check_weights(path: str, config: DecoderConfig,
+                   weights: MutableMapping[str, torch.Tensor]) -> None:
     # Catching a missing or mis-shaped tensor here names it; the model would only fail later
     # with an anonymous matmul shape error, or not at all for a wrong square matrix.
     shapes = expected_shapes(config)
@@ -81,8 +84,8 @@ def _check_weights(path: str, config: DecoderConfig, weights: dict[str, torch.Te
             f"unexpected tensors {extra[:5]}."
         )
     for name, shape in shapes.items():
-        if tuple(weights[name].shape) != shape:
-            got = tuple(weights[name].shape)
+        got = tensor_shape(weights, name)  # from the file's index: no tensor is read
+        if got != shape:
             raise ValueError(f"{path}: tensor {name} has shape {got}, expected {shape}.")
 
 
@@ -95,7 +98,7 @@ def load_config(path: str) -> DecoderConfig:
     raise ValueError(f"{path}: expected a .gguf file or a HF folder with config.json.")
 
 
-def load_weights(path: str) -> tuple[DecoderConfig, dict[str, torch.Tensor]]:
+def load_weights(path: str) -> tuple[DecoderConfig, MutableMapping[str, torch.Tensor]]:
     """Config and float32 tensors under HF names, from a .gguf file or a HF folder."""
     if os.path.isdir(path):
         config, weights = load_hf_dir(path)
@@ -123,7 +126,7 @@ def _preset_tokenizer(config: DecoderConfig) -> Tokenizer:
 
 def load_source(
     name: str, load_format: str, seed: int, device: torch.device, dtype: torch.dtype
-) -> tuple[str, DecoderConfig, dict[str, torch.Tensor], Tokenizer]:
+) -> tuple[str, DecoderConfig, MutableMapping[str, torch.Tensor], Tokenizer]:
     """Path (or preset name), config, weights and tokenizer for a `--model` value.
 
     A preset always gets random weights, whatever `load_format` says: it has no others. With

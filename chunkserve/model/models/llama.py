@@ -13,6 +13,7 @@ asks which architecture it has.
 """
 from __future__ import annotations
 
+from collections.abc import MutableMapping
 from typing import Any, ClassVar
 
 import torch
@@ -26,7 +27,7 @@ from chunkserve.model.layers.linear_int4 import Int4Linear
 from chunkserve.model.layers.rotary import RotaryEmbedding
 from chunkserve.model.models.config import DecoderConfig
 
-Weights = dict[str, torch.Tensor]
+Weights = MutableMapping[str, torch.Tensor]  # a dict, or loaders/lazy.py's LazyWeights
 
 
 def _take(w: Weights, name: str, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
