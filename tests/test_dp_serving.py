@@ -17,7 +17,6 @@ import httpx
 import pytest
 from server_utils import HTTP_TIMEOUT_S, RemoteServer
 
-from chunkserve.serve.engine_proc import split_cores
 
 SHORT_PROMPT = "Once upon a time"  # under one KV block: no prefix affinity, routed by load
 LONG = {"max_tokens": 300, "temperature": 0.0, "ignore_eos": True}
@@ -195,9 +194,3 @@ def test_a_dead_tensor_parallel_worker_stops_the_server(tiny_model_dir: str) -> 
         _assert_gone(procs)
     finally:
         server.close()
-
-
-def test_cores_are_split_evenly_between_engines() -> None:
-    assert split_cores(2, [0, 1, 2, 3]) == [(0, 1), (2, 3)]
-    assert split_cores(2, [0, 1, 2]) == [(0,), (1,)]  # none slower than another
-    assert split_cores(3, [4, 5]) == [(4,), (5,), (4,)]  # fewer cores than engines: shared

@@ -14,22 +14,20 @@ ranks as its workers, every other node runs only its own (tp_headless.py); all m
 """
 from __future__ import annotations
 
+import os
+import threading
+
 import torch
 from torch.distributed import TCPStore
 
 from chunkserve.config import EngineConfig, ParallelConfig
+from chunkserve.engine.cpu_binding import bind_this_thread, rank_cores, threads
 from chunkserve.core.sched_output import SchedulerOutput
 from chunkserve.engine.executor import FatalExecutorError, RunnerOutput
 from chunkserve.engine.tp_group import TIMEOUT, Rendezvous, TPGroup
-from chunkserve.engine.tp_worker import (
-    first_line,
-    load_rank,
-    start_workers,
-    stop_workers,
-    threads_per_rank,
-)
+from chunkserve.engine.tp_worker import first_line, load_rank, start_workers, stop_workers
 
-__all__ = ["TensorParallelExecutor", "threads_per_rank"]
+__all__ = ["TensorParallelExecutor"]
 
 
 class TensorParallelExecutor:
@@ -42,24 +40,27 @@ class TensorParallelExecutor:
                              "ranks: launch it with `chunkserve serve` or `chunkserve generate`")
         self._nnodes = pc.nnodes
         local = range(world_size // pc.nnodes)  # this node's ranks: 0 here, then its workers
-        threads = threads_per_rank(len(local))
+        cores = rank_cores(len(local))  # VLLM_CPU_OMP_THREADS_BIND, or an even split
         store = _host_store(pc, world_size)
         rendezvous = Rendezvous(pc.master_addr, store.port, world_size)
-        self.workers = start_workers(local[1:], rendezvous, threads)
+        self.workers = start_workers(local[1:], rendezvous, cores[1:], len(local))
         self._failed = False
         try:
             self.group = _join(rendezvous, store, pc.nnodes)
             # Every worker takes the engine config from here: a headless node's own flags may
             # differ, and every rank's KV pool must be the size of this one's.
             self.group.broadcast_object(config)
-            # Rank 0's share of the cores, for the engine's process; close() gives them back.
+            # Rank 0's cores, for the thread that builds the engine (and steps it: one OpenMP
+            # pool, serve/compute_thread.py); close() gives them back to it.
+            self._bound_thread = threading.get_ident()
+            self._affinity_before = bind_this_thread(cores[0])
             self._threads_before = torch.get_num_threads()
-            torch.set_num_threads(threads)
+            torch.set_num_threads(threads(cores[0], len(local)))
             # The engine reads the tokenizer, the whole model's config and the resolved
             # engine config from rank 0's load.
             self.loaded, self.config, self.runner = load_rank(config, self.group)
         except BaseException:
-            torch.set_num_threads(getattr(self, "_threads_before", torch.get_num_threads()))
+            self._unbind()
             stop_workers(self.workers, terminate=True)  # no engine for them to serve
             raise
         self.num_kv_blocks = self.runner.num_kv_blocks
@@ -93,13 +94,22 @@ class TensorParallelExecutor:
         if self._closed:
             return
         self._closed = True
-        torch.set_num_threads(self._threads_before)
+        self._unbind()
         if not self._failed and all(w.is_alive() for w in self.workers):
             try:
                 self.group.broadcast_object(None)
             except RuntimeError:
                 pass  # a worker died meanwhile: stopped below either way
         self._stop_workers()
+
+    def _unbind(self) -> None:
+        """Gives the engine's thread back its threads and cores (from that thread only: the
+        affinity is the thread's own, and a server closes its engine from another)."""
+        if hasattr(self, "_threads_before"):
+            torch.set_num_threads(self._threads_before)
+        if (hasattr(self, "_affinity_before")
+                and threading.get_ident() == self._bound_thread):
+            os.sched_setaffinity(0, self._affinity_before)
 
     def _check_workers(self) -> None:
         dead = [w for w in self.workers if not w.is_alive()]

@@ -16,7 +16,8 @@ from multiprocessing.connection import wait
 
 from chunkserve.config import EngineConfig
 from chunkserve.engine.tp_group import Rendezvous
-from chunkserve.engine.tp_worker import start_workers, stop_workers, threads_per_rank
+from chunkserve.engine.cpu_binding import rank_cores
+from chunkserve.engine.tp_worker import start_workers, stop_workers
 
 log = logging.getLogger("chunkserve.headless")
 
@@ -34,7 +35,8 @@ def run_headless(config: EngineConfig) -> int:
     handlers = {sig: signal.signal(sig, lambda *_: stop.set())
                 for sig in (signal.SIGTERM, signal.SIGINT)}
     rendezvous = Rendezvous(pc.master_addr, pc.master_port, pc.tensor_parallel_size)
-    workers = start_workers(ranks, rendezvous, threads_per_rank(len(ranks)), own_config=config)
+    workers = start_workers(ranks, rendezvous, rank_cores(len(ranks)), len(ranks),
+                            own_config=config)
     log.info("node %d of %d: tensor-parallel ranks %d-%d (pids %s), joining rank 0 at %s:%d",
              pc.node_rank, pc.nnodes, ranks[0], ranks[-1],
              " ".join(str(w.pid) for w in workers), pc.master_addr, pc.master_port)

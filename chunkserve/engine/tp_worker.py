@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from chunkserve.config import EngineConfig
+from chunkserve.engine.cpu_binding import bind_this_thread, threads
 from chunkserve.engine.parent_watch import exit_with_parent
 from chunkserve.engine.tp_group import IDLE_WAIT, TIMEOUT, Rendezvous, TPGroup
 
@@ -36,17 +37,11 @@ STOP_GRACE_S = 2.0  # a store gone while rank 0's stop is on its way is not a fa
 class WorkerSpec:
     rank: int
     rendezvous: Rendezvous
-    num_threads: int  # this rank's share of its node's cores
+    cores: tuple[int, ...] | None  # the cores it is bound to (cpu_binding.py; None: unbound)
+    num_threads: int  # one per core it is bound to, else its share of its node's cores
     # A headless node's own flags: only to warn where they differ from rank 0's, which every
     # worker receives and uses (None: the worker is rank 0's child, with rank 0's flags).
     own_config: EngineConfig | None = None
-
-
-def threads_per_rank(world_size: int, cores: int | None = None) -> int:
-    """Each rank's compute threads: the cores split evenly (at least one each), as vLLM's CPU
-    backend binds one NUMA node's cores per rank. `world_size`: the ranks on this machine.
-    The cores are those this process may run on: a data-parallel engine's share of them."""
-    return max(1, (cores or len(os.sched_getaffinity(0)) or 1) // world_size)
 
 
 def load_rank(config: EngineConfig, group: TPGroup):  # type: ignore[no-untyped-def]
@@ -62,12 +57,16 @@ def load_rank(config: EngineConfig, group: TPGroup):  # type: ignore[no-untyped-
     return loaded, resolved, ModelRunner.from_config(model, resolved)
 
 
-def start_workers(ranks: range, rendezvous: Rendezvous, num_threads: int,
+def start_workers(ranks: range, rendezvous: Rendezvous,
+                  cores: list[tuple[int, ...] | None], num_local: int,
                   own_config: EngineConfig | None = None) -> list[mp.Process]:
+    """Workers for `ranks`, each bound to its `cores` (cpu_binding.rank_cores, in the same
+    order); `num_local`: the ranks on this node, rank 0 included where it is here."""
     ctx = mp.get_context("spawn")
-    workers = [ctx.Process(target=worker_main, daemon=True, name=f"tp-rank-{rank}",
-                           args=(WorkerSpec(rank, rendezvous, num_threads, own_config),))
-               for rank in ranks]
+    specs = [WorkerSpec(rank, rendezvous, c, threads(c, num_local), own_config)
+             for rank, c in zip(ranks, cores, strict=True)]
+    workers = [ctx.Process(target=worker_main, daemon=True, name=f"tp-rank-{spec.rank}",
+                           args=(spec,)) for spec in specs]
     for worker in workers:
         worker.start()
     return workers
@@ -94,6 +93,7 @@ def worker_main(spec: WorkerSpec) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # Its warnings and errors only: its INFO lines would repeat rank 0's.
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    bind_this_thread(spec.cores)  # before torch's thread pool exists: its threads inherit
     torch.set_num_threads(spec.num_threads)
     name = f"tp-rank-{spec.rank}"
     exit_with_parent()  # a SIGKILLed engine or headless launch leaves no orphan

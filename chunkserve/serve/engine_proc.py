@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch.multiprocessing as mp
 
 from chunkserve.config import EngineConfig
+from chunkserve.engine.cpu_binding import ENV, explicit_lists, rank_cores
 from chunkserve.engine.parent_watch import exit_with_parent
 from chunkserve.serve.engine_client import EngineInfo, EventHandler
 from chunkserve.serve.engine_loop import STOP, EngineLoop, LoopEvent
@@ -39,17 +40,22 @@ class EngineSpec:
     config: EngineConfig
     index: int
     cores: tuple[int, ...]  # the CPUs this engine (and its tensor-parallel workers) may use
+    bind: str | None = None  # its ranks' VLLM_CPU_OMP_THREADS_BIND lists, when given
 
 
-def split_cores(num_engines: int, cores: list[int] | None = None) -> list[tuple[int, ...]]:
-    """Each engine's cores: the process's CPUs split into equal contiguous runs (the rest
-    unused, so no engine is slower than another), or shared round-robin when there are
-    fewer CPUs than engines."""
-    cpus = sorted(cores if cores is not None else os.sched_getaffinity(0))
-    per = len(cpus) // num_engines
-    if per == 0:
-        return [(cpus[i % len(cpus)],) for i in range(num_engines)]
-    return [tuple(cpus[i * per:(i + 1) * per]) for i in range(num_engines)]
+def split_cores(num_engines: int, tp: int = 1) -> list[tuple[tuple[int, ...], str | None]]:
+    """Each engine's cores and, where VLLM_CPU_OMP_THREADS_BIND lists every rank's cores
+    (num_engines x tp lists), the part of it that is its own ranks'; else the CPUs this
+    process may use split evenly (engine/cpu_binding.py), and its ranks split its share."""
+    lists = explicit_lists()
+    if lists is None:
+        return [(cores or (), None) for cores in rank_cores(num_engines, "auto")]
+    if len(lists) != num_engines * tp:
+        raise ValueError(f"{ENV} lists {len(lists)} CPU set(s) for {num_engines} engines of "
+                         f"{tp} rank(s): give one per rank, separated by '|'")
+    mine = [lists[i * tp:(i + 1) * tp] for i in range(num_engines)]
+    return [(tuple(sorted({c for group in m for c in group})),
+             "|".join(",".join(map(str, group)) for group in m)) for m in mine]
 
 
 def _engine_main(spec: EngineSpec, commands: mp.Queue, events: mp.Queue) -> None:
@@ -63,6 +69,8 @@ def _engine_main(spec: EngineSpec, commands: mp.Queue, events: mp.Queue) -> None
                         format=f"%(levelname)s engine-{spec.index} %(name)s: %(message)s")
     os.sched_setaffinity(0, spec.cores)
     torch.set_num_threads(len(spec.cores))
+    if spec.bind is not None:
+        os.environ[ENV] = spec.bind  # its own ranks' lists, for its tensor-parallel executor
     try:
         engine = LLMEngine.from_config(spec.config)
         engine.commit_kv_memory()
@@ -171,7 +179,9 @@ class EngineProcessClient:
 def start_engines(config: EngineConfig, num_engines: int,
                   timeout: float = 600.0) -> list[EngineProcessClient]:
     """`num_engines` engine processes, loaded in parallel; all stopped if any fails."""
-    specs = [EngineSpec(config, i, cores) for i, cores in enumerate(split_cores(num_engines))]
+    tp = config.parallel_config.tensor_parallel_size
+    specs = [EngineSpec(config, i, cores, bind)
+             for i, (cores, bind) in enumerate(split_cores(num_engines, tp))]
     clients: list[EngineProcessClient] = []
     try:
         for spec in specs:
