@@ -13,10 +13,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import gguf
 import numpy as np
 
-from chunkserve.gguf_file import gguf_field
+from chunkserve.gguf_file import GGUFFile, gguf_field
 from chunkserve.model.loaders.gguf_rope import rope_scaling_from_metadata
 from chunkserve.model.models.config import DecoderConfig
 from chunkserve.layer_types import FULL, SLIDING
@@ -37,7 +36,7 @@ def _f32(value: float) -> float:
     return float(str(np.float32(value)))
 
 
-def read_config(reader: gguf.GGUFReader, path: str,
+def read_config(reader: GGUFFile, path: str,
                 dequantize: Callable[[Any], np.ndarray]) -> DecoderConfig:
     """`dequantize`: how to read a (rope) tensor as float32 numpy."""
     arch_name = gguf_field(reader, "general.architecture")
@@ -127,7 +126,7 @@ def _optional_f32(value: Any) -> float | None:
     return None if value is None else _f32(value)
 
 
-def _rope_scaling(reader: gguf.GGUFReader, config: DecoderConfig, meta: Callable[..., Any],
+def _rope_scaling(reader: GGUFFile, config: DecoderConfig, meta: Callable[..., Any],
                   dequantize: Callable[[Any], np.ndarray]) -> dict[str, Any] | None:
     """HF's rope_scaling dict from the file's keys and rope tensors (not yet checked)."""
     tensors = {t.name: t for t in reader.tensors if t.name in ROPE_TENSORS}
@@ -147,13 +146,13 @@ def _rope_scaling(reader: gguf.GGUFReader, config: DecoderConfig, meta: Callable
     return scaling
 
 
-def _vocab_size(reader: gguf.GGUFReader, declared: Any, path: str) -> int:
+def _vocab_size(reader: GGUFFile, declared: Any, path: str) -> int:
     """{arch}.vocab_size, else the tokenizer's token count, else the embedding's rows."""
     if declared is not None:
         return int(declared)
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     if tokens is not None:
-        return len(tokens.data)
+        return len(tokens.contents())
     embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
     if embd is None:
         raise ValueError(
@@ -168,7 +167,7 @@ def _vocab_size(reader: gguf.GGUFReader, declared: Any, path: str) -> int:
 _END_OF_TURN_TEXT = {"gemma3": "<end_of_turn>"}
 
 
-def _eos_token_ids(reader: gguf.GGUFReader, arch_name: str) -> list[int]:
+def _eos_token_ids(reader: GGUFFile, arch_name: str) -> list[int]:
     # Chat models end a turn with EOT/EOM rather than EOS; the engine must stop on all of them.
     eos_ids: list[int] = []
     for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
