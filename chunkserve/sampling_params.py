@@ -21,6 +21,37 @@ class RequestOutputKind(enum.Enum):
     FINAL_ONLY = 2  # once, when the request finishes: offline generation and benchmarks
 
 
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """What the output must match (vLLM's `StructuredOutputsParams`): exactly one of a JSON
+    schema (a dict or its JSON text), a regex, a choice of strings, a grammar (Lark, or GBNF
+    as llama.cpp writes it), or `json_object` (any JSON object). Checked here for shape only;
+    the engine's Processor compiles it (engine/grammar.py) and refuses what does not compile."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar", "json_object")
+                 if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("structured outputs take exactly one of json, regex, choice, "
+                             f"grammar or json_object; got {given or 'none'}.")
+        if self.choice is not None and (
+                not isinstance(self.choice, list) or not self.choice
+                or not all(isinstance(c, str) for c in self.choice)):
+            raise ValueError("choice must be a non-empty list of strings.")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"{name} must be a non-empty string.")
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise ValueError("json must be a JSON schema: an object or its JSON text.")
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int | None = 16
@@ -44,6 +75,8 @@ class SamplingParams:
     # Per prompt token (from the second on): its logprob and the top-`prompt_logprobs` ones.
     prompt_logprobs: int | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # The output must match a grammar (engine/grammar.py): a mask on every sampled token.
+    structured_outputs: StructuredOutputsParams | None = None
     # Greedy when temperature is ~0; kept as a property so there is one source of truth.
 
     stop_strings: list[str] = field(init=False, repr=False, default_factory=list)

@@ -4,8 +4,8 @@ should, or is a 400 whose `param` names it.
 Honoured: logit_bias, presence/frequency/repetition_penalty, best_of, echo with logprobs,
 return_tokens_as_token_ids, add_special_tokens, chat_template_kwargs (also
 tests/test_chat_request_fields.py). Refused unless sent with their default value: everything in
-refused_fields.REFUSED_FIELDS (suffix, response_format other than text, tools with any
-tool_choice but "none", guided decoding, beam search, ...), and chat_template.
+refused_fields.REFUSED_FIELDS (suffix, tools with any tool_choice but "none", beam search,
+...), and chat_template. Structured outputs are served: their fields' checks are here too.
 """
 from __future__ import annotations
 
@@ -29,12 +29,10 @@ GREEDY = {"temperature": 0, "ignore_eos": True}
 
 # A value that changes the output, for every refused field (a new entry in the table needs one).
 REFUSED_VALUES: dict[str, Any] = {
-    "suffix": "the end", "response_format": {"type": "json_object"}, "tool_choice": "auto",
+    "suffix": "the end", "tool_choice": "auto",
     "functions": [{"name": "f"}], "function_call": "auto", "modalities": ["text", "audio"],
     "audio": {"voice": "alloy", "format": "wav"}, "reasoning_effort": "low",
     "verbosity": "low", "web_search_options": {}, "best_of": 2, "echo": True,
-    "guided_json": {"type": "object"}, "guided_regex": "[a-z]+", "guided_choice": ["a", "b"],
-    "guided_grammar": "root ::= 'a'", "structured_outputs": {"choice": ["a"]},
     "bad_words": ["fox"], "allowed_token_ids": [1, 2], "logits_processors": ["x.y"],
     "vllm_xargs": {"k": 1}, "truncate_prompt_tokens": 4, "use_beam_search": True,
     "length_penalty": 0.5, "include_stop_str_in_output": True, "skip_special_tokens": False,
@@ -305,3 +303,54 @@ def test_echo_with_logprobs(server: RemoteServer) -> None:
     assert got["tokens"] == lp["tokens"] and got["text_offset"] == lp["text_offset"]
     assert got["token_logprobs"][0] is None
     assert got["token_logprobs"][1:] == pytest.approx(lp["token_logprobs"][1:])
+
+
+def test_structured_outputs_on_the_server(server: RemoteServer) -> None:
+    """Every way a client asks for structured output reaches the grammar (the tiny random
+    model: only the constraint makes its output readable); a bad constraint is a 400."""
+    def text(path: str, body: dict[str, Any]) -> str:
+        r = server.post(path, {"max_tokens": 40, "temperature": 0, **body})
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert choice["finish_reason"] == "stop", choice
+        return choice["text"] if "text" in choice else choice["message"]["content"]
+
+    assert text("/v1/completions", {"prompt": PROMPT, "guided_choice": ["yes", "no"]}) \
+        in ("yes", "no")
+    assert text("/v1/completions", {"prompt": PROMPT, "structured_outputs":
+                                    {"regex": r"[0-9]{3}"}}).isdigit()
+    flag = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+            "additionalProperties": False}
+    got = text("/v1/chat/completions", {"messages": MESSAGES, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "flag", "schema": flag}}})
+    assert isinstance(json.loads(got)["ok"], bool)
+    assert text("/v1/completions", {"prompt": PROMPT, "guided_json": flag}).startswith("{")
+
+    bad = [({"guided_json": {"type": "objectx"}}, "JSON schema is invalid", None),
+           ({"guided_regex": "[a-"}, "regex is invalid", None),
+           ({"guided_json": {"type": "string", "format": "weird"}}, "Unknown format", None),
+           ({"guided_regex": "a", "guided_choice": ["b"]}, "one structured-output",
+            "guided_choice"),
+           ({"response_format": {"type": "xml"}}, "response_format type", "response_format"),
+           ({"structured_outputs": {"lark": "start: 'a'"}}, "unsupported key",
+            "structured_outputs"),
+           ({"guided_choice": []}, "non-empty list", "guided_choice")]
+    for fields, message, param in bad:
+        r = server.post("/v1/completions", {"prompt": PROMPT, **fields})
+        assert_error(r, 400, message=message, param=param)
+
+
+def test_the_openai_client_parses_a_pydantic_model(server: RemoteServer) -> None:
+    """The official client's structured parse: it sends the model's JSON schema (strict) as
+    response_format and parses the reply into the model."""
+    from pydantic import BaseModel, Field
+
+    class Verdict(BaseModel):
+        ok: bool
+        score: int = Field(ge=0, le=9)  # bounded: a random model's digits end
+
+    parse = server.client().chat.completions.parse
+    r = parse(model="tiny", messages=MESSAGES, response_format=Verdict, max_tokens=40,
+              temperature=0)
+    verdict = r.choices[0].message.parsed
+    assert isinstance(verdict, Verdict), r.choices[0].message.content

@@ -10,6 +10,7 @@ JSON object), a regex and a choice. For each it measures, in one process:
     fill_next_token_bitmask_par), and the advance (accepting the chosen token) timed apart.
 Medians over --steps steps (after --warmup), printed with the CPU.
 
+    .venv/bin/pip install xgrammar==0.2.9   # not a chunkserve dependency (llguidance is)
     .venv/bin/python benchmarks/kernels/grammar_backends.py [--steps 200]
 """
 from __future__ import annotations

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from chunkserve.core.kv_cache import KVCacheStats, PrefixCacheStats
 from chunkserve.core.request import Request
@@ -41,6 +42,9 @@ class SchedulerOutput:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     prefix_cache_stats: PrefixCacheStats | None = None
+    # Structured outputs: request id -> the bitmask row of the tokens its sample may take
+    # (filled by the engine's grammar matchers, opaque here), for the rows that sample.
+    grammar_bitmask: dict[str, Any] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

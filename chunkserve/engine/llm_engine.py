@@ -16,7 +16,7 @@ from chunkserve.config import EngineConfig
 from chunkserve.core.chunk_budget import LearnedStepTime, PlannedStep, StepObservation
 from chunkserve.core.kv_groups import group_layers
 from chunkserve.core.request import Request, RequestStatus
-from chunkserve.core.sched_output import ScheduledRequest
+from chunkserve.core.sched_output import ScheduledRequest, SchedulerOutput
 from chunkserve.core.scheduler import Scheduler
 from chunkserve.engine.detokenizer import IncrementalDetokenizer
 from chunkserve.engine.executor import Executor
@@ -65,6 +65,8 @@ class _RequestState:
     # One slot per prompt token when the request asked for prompt logprobs (else None), filled
     # by position as its prefill chunks run: a chunk recomputed after preemption overwrites.
     prompt_logprobs: list[list[tuple[int, float]] | None] | None = None
+    # Structured outputs: the request's llguidance matcher (engine/grammar.py), else None.
+    matcher: Any = None
 
 
 class LLMEngine:
@@ -196,6 +198,10 @@ class LLMEngine:
         state = _RequestState(req, request.prompt, detok, RequestMetrics(arrival))
         if params.prompt_logprobs is not None:
             state.prompt_logprobs = [None] * len(request.prompt_token_ids)
+        if params.structured_outputs is not None:
+            grammars = self.processor.grammars()
+            grammar = request.grammar or grammars.compile(params.structured_outputs)
+            state.matcher = grammars.matcher(grammar)
         self._states[rid] = state
         self.scheduler.add_request(req)
 
@@ -219,6 +225,7 @@ class LLMEngine:
         start = self.clock()
         out = self.scheduler.schedule()
         try:
+            self._fill_grammar_masks(out)
             for sr in out.scheduled:
                 if not sr.is_decode:  # a decode was scheduled before, by definition
                     self._states[sr.request.request_id].metrics.on_scheduled(start)
@@ -250,6 +257,16 @@ class LLMEngine:
         self._step_count += 1
         return StepResult(outputs, record, out.scheduled)
 
+    def _fill_grammar_masks(self, out: SchedulerOutput) -> None:
+        """The token masks of this step's structured rows that sample (only those: a prefill
+        chunk that does not catch up costs nothing)."""
+        rows = [(sr.request.request_id, self._states[sr.request.request_id].matcher)
+                for sr in out.scheduled if sr.samples]
+        rows = [(rid, m) for rid, m in rows if m is not None]
+        if rows:
+            mask = self.processor.grammars().fill([m for _, m in rows])
+            out.grammar_bitmask = {rid: mask[i] for i, (rid, _) in enumerate(rows)}
+
     def _process(
         self, req: Request, now: float, logprobs: list[tuple[int, float]] | None
     ) -> RequestOutput | None:
@@ -262,6 +279,12 @@ class LLMEngine:
         m.on_token(now)
         detok = state.detokenizer
         stop = detok.update(req.output_token_ids[-1:]) if detok is not None else None
+        if state.matcher is not None:
+            from chunkserve.engine.grammar import advance  # llguidance: only when used
+
+            if advance(state.matcher, req.output_token_ids[-1]) and not req.status.finished:
+                # The grammar is complete: nothing but the end of text could follow.
+                self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
         if stop is not None:
             req.stop_reason = stop
             if req.status.finished:  # also hit a length/EOS limit: the stop string wins

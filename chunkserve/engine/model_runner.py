@@ -166,7 +166,9 @@ class ModelRunner:
             return RunnerOutput(prompt_logprobs=prompt_logprobs)
         rows = torch.from_numpy(sample_rows(out.scheduled, layout)).to(self.device)
         logits = self.model.compute_logits(hidden[rows])
-        result = self.sampler(logits, [self._row(sr.request) for sr in samplers])
+        masks = out.grammar_bitmask
+        result = self.sampler(logits, [self._row(sr.request, masks.get(sr.request.request_id))
+                                       for sr in samplers])
         ids = [sr.request.request_id for sr in samplers]
         logprobs = {}
         if result.logprobs is not None:
@@ -247,7 +249,7 @@ class ModelRunner:
                        slot_mapping=torch.from_numpy(layout.slot_mapping).to(self.device),
                        block_table=torch.from_numpy(layout.block_table).to(self.device))
 
-    def _row(self, req) -> SamplingRow:  # type: ignore[no-untyped-def]
+    def _row(self, req, allowed=None) -> SamplingRow:  # type: ignore[no-untyped-def]
         params = req.sampling_params
         gen = None
         if params.seed is not None and not params.greedy:
@@ -256,7 +258,7 @@ class ModelRunner:
                 gen = torch.Generator().manual_seed(params.seed)
                 self._generators[req.request_id] = gen
         return SamplingRow(params, gen, req.num_output_tokens, req.eos_token_ids,
-                           req.prompt_token_ids, req.output_token_ids)
+                           req.prompt_token_ids, req.output_token_ids, allowed)
 
     def _swap(self, out: SchedulerOutput) -> None:
         if not (out.blocks_to_swap_out or out.blocks_to_swap_in):

@@ -8,9 +8,12 @@ and `max_tokens` an int.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from chunkserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from chunkserve.engine.grammar import GrammarCompiler
 
 
 class PromptTokenizer(Protocol):
@@ -32,6 +35,8 @@ class EngineRequest:
     eos_token_ids: list[int]
     arrival_time: float | None = None  # None: the engine's clock when it is added
     priority: int = 0
+    # sampling_params.structured_outputs compiled (engine/grammar.py), when it is set.
+    grammar: str | None = None
 
 
 class Processor:
@@ -50,6 +55,7 @@ class Processor:
         if eos_token_ids is None and tokenizer is not None and tokenizer.eos_token_id is not None:
             eos_token_ids = [tokenizer.eos_token_id]
         self.eos_token_ids = list(eos_token_ids or [])
+        self._grammars: GrammarCompiler | None = None  # made with the first structured request
 
     def process_inputs(
         self,
@@ -67,8 +73,26 @@ class Processor:
         else:
             text, token_ids = None, list(prompt)
         params = self.process_params(token_ids, params)
+        grammar = (self.grammars().compile(params.structured_outputs)
+                   if params.structured_outputs is not None else None)
         return EngineRequest(request_id, text, token_ids, params, self.eos_token_ids,
-                             arrival_time, priority)
+                             arrival_time, priority, grammar)
+
+    def grammars(self) -> GrammarCompiler:
+        """The grammar compiler over this processor's tokenizer (engine/grammar.py)."""
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise ValueError("Structured outputs need a tokenizer; this engine has none.")
+            from chunkserve.engine.grammar import GrammarCompiler  # llguidance: only when used
+
+            eos = self.eos_token_ids[0] if self.eos_token_ids else None
+            self._grammars = GrammarCompiler(self.tokenizer, eos)
+        return self._grammars
+
+    def __getstate__(self) -> dict[str, object]:
+        # Sent to a data-parallel API server: llguidance's tokenizer does not pickle, and the
+        # receiving process makes its own.
+        return {**self.__dict__, "_grammars": None}
 
     def process_params(self, token_ids: list[int], params: SamplingParams) -> SamplingParams:
         """Checks a prompt against the model; returns params with max_tokens filled in."""

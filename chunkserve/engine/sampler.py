@@ -3,6 +3,8 @@
 Order of operations (vLLM v1's `Sampler`):
   1. logprobs, when asked, come from the *raw* logits (vLLM's default
      `logprobs_mode="raw_logprobs"`), before any masking or temperature.
+  1b. structured outputs: a row with a grammar mask (engine/grammar.py) has every token the
+     grammar does not allow next set to -inf, before anything else changes its logits.
   2. min_tokens: while a request has produced fewer than `min_tokens` tokens its
      stop_token_ids are masked to -inf, and so are the EOS ids unless `ignore_eos`.
      This mirrors vLLM, where the mask is `all_stop_token_ids` and EOS is only a
@@ -29,8 +31,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 from itertools import chain
 
+import numpy as np
 import torch
 
 from chunkserve.sampling_params import SamplingParams
@@ -49,6 +53,9 @@ class SamplingRow:
     # The request's own token lists (not copies), read only when params.has_penalties.
     prompt_token_ids: Sequence[int] = ()
     output_token_ids: Sequence[int] = ()
+    # Structured outputs: int32 words, bit t set where token t is allowed (engine/grammar.py);
+    # every other token, and every logit past the mask's vocabulary, is masked to -inf.
+    allowed: Any = None
 
 
 @dataclass
@@ -84,19 +91,38 @@ class Sampler:
 
 
 def process_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """Steps 2-4 of the module docstring: min_tokens mask, logit_bias, penalties.
+    """Steps 1b-4 of the module docstring: grammar mask, min_tokens mask, logit_bias,
+    penalties.
 
     Returns the caller's tensor itself when no row needs any of them, else a new tensor (the
     first step that changes something copies; the later ones write into that copy).
     """
-    processed = _apply_min_tokens(logits, rows)
+    processed = _apply_grammar(logits, rows)
+    processed = _apply_min_tokens(processed, rows, owned=processed is not logits)
     processed = _apply_logit_bias(processed, rows, owned=processed is not logits)
     return _apply_penalties(processed, rows, owned=processed is not logits)
 
 
-def _apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+def _apply_grammar(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """-inf wherever a structured row's grammar forbids the token; copies only when needed."""
+    masked = [(i, r.allowed) for i, r in enumerate(rows) if r.allowed is not None]
+    if not masked:
+        return logits
+    out = logits.clone()
+    vocab = out.shape[1]
+    for i, words in masked:
+        bits = np.unpackbits(np.ascontiguousarray(words).view(np.uint8), bitorder="little")
+        allowed = torch.zeros(vocab, dtype=torch.bool)
+        n = min(vocab, bits.shape[0])
+        allowed[:n] = torch.from_numpy(bits[:n].astype(bool))
+        out[i, ~allowed.to(out.device)] = float("-inf")
+    return out
+
+
+def _apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow],
+                      owned: bool = False) -> torch.Tensor:
     """Mask EOS/stop ids for rows still below min_tokens; copies only when needed."""
-    masked: torch.Tensor | None = None
+    masked: torch.Tensor | None = logits if owned else None
     for i, row in enumerate(rows):
         p = row.params
         if row.num_output_tokens >= p.min_tokens:

@@ -15,11 +15,17 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
-from chunkserve.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
+from chunkserve.sampling_params import (
+    INT64_MAX,
+    INT64_MIN,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 from chunkserve.serve.errors import encodable, field_error
 from chunkserve.serve.refused_fields import check_refused_fields, known_extra_field
+from chunkserve.serve.structured_fields import structured_outputs_of
 
 # vLLM's default --max-logprobs; larger requests are rejected up front.
 MAX_LOGPROBS = 20
@@ -120,6 +126,15 @@ class SamplingRequest(BaseRequest):
     user: str | None = None
     # vLLM's: logprobs name tokens "token_id:{id}" rather than by their text.
     return_tokens_as_token_ids: bool = False
+    # Structured outputs (engine/grammar.py): OpenAI's response_format, vLLM's guided_* fields
+    # and their successor `structured_outputs`; at most one of them (structured_outputs()).
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
+    _structured: StructuredOutputsParams | None = PrivateAttr(default=None)
 
     @field_validator("logit_bias", mode="before")
     @classmethod
@@ -146,6 +161,11 @@ class SamplingRequest(BaseRequest):
     @model_validator(mode="after")
     def _refuse_unsupported_fields(self) -> SamplingRequest:
         check_refused_fields(self, self._endpoint)
+        return self
+
+    @model_validator(mode="after")
+    def _one_structured_output(self) -> SamplingRequest:
+        self._structured = structured_outputs_of(self)
         return self
 
     @field_validator("stop", mode="before")
@@ -189,6 +209,7 @@ class SamplingRequest(BaseRequest):
             min_tokens=self.min_tokens,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            structured_outputs=self._structured,
         )
 
 

@@ -24,8 +24,6 @@ class Refused(NamedTuple):
     message: str  # the 400's message; "{value}" is replaced by the value sent
 
 
-_STRUCTURED = ("needs structured outputs (guided decoding), which this server does not have yet "
-               "(issue 31).")
 _NO_PARSER = ('tool_choice={value} is not supported: it needs a tool-call parser, which this '
               'server does not have (vLLM: "auto" tool choice requires --enable-auto-tool-choice '
               'and --tool-call-parser to be set). Send tool_choice "none": the tools still reach '
@@ -39,8 +37,6 @@ _NO_PARSER = ('tool_choice={value} is not supported: it needs a tool-call parser
 REFUSED_FIELDS: dict[str, Refused] = {
     # OpenAI's fields.
     "suffix": Refused("completions", (None,), "suffix is not currently supported"),
-    "response_format": Refused("both", (None, {"type": "text"}),
-                               "response_format={value} " + _STRUCTURED),
     "tool_choice": Refused("chat", (None, "none"), _NO_PARSER),  # "auto" is the default with tools
     "functions": Refused("chat", (None,), "`functions` (deprecated by OpenAI) is not supported: "
                          'send `tools` with tool_choice "none"'),
@@ -58,11 +54,6 @@ REFUSED_FIELDS: dict[str, Refused] = {
     # vLLM's extra fields.
     "best_of": Refused("chat", (None,), "best_of is only supported on /v1/completions"),
     "echo": Refused("chat", (None, False), "echo is not supported on chat completions"),
-    "guided_json": Refused("both", (None,), "guided_json " + _STRUCTURED),
-    "guided_regex": Refused("both", (None,), "guided_regex " + _STRUCTURED),
-    "guided_choice": Refused("both", (None,), "guided_choice " + _STRUCTURED),
-    "guided_grammar": Refused("both", (None,), "guided_grammar " + _STRUCTURED),
-    "structured_outputs": Refused("both", (None,), "structured_outputs " + _STRUCTURED),
     "bad_words": Refused("both", (None, []), "bad_words is not supported"),
     "allowed_token_ids": Refused("both", (None,), "allowed_token_ids is not supported"),
     "logits_processors": Refused("both", (None,), "logits_processors is not supported: this "

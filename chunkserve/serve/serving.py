@@ -122,8 +122,12 @@ class Serving:
             ids = (await self.tokenize_prompt(prompt, add_special_tokens)
                    if isinstance(prompt, str) else list(prompt))
             try:
-                request = self.processor.process_inputs("", ids, make_params(None),
-                                                        priority=priority)
+                params = make_params(None)  # its ValueErrors are the client's 400s too
+                if params.structured_outputs is None:
+                    request = self.processor.process_inputs("", ids, params, priority=priority)
+                else:  # compiling a grammar takes milliseconds: not on the event loop
+                    request = await asyncio.to_thread(self.processor.process_inputs, "", ids,
+                                                      params, priority=priority)
             except ValueError as e:
                 raise ApiError(400, str(e), param=_param_named_in(str(e))) from e
             prepared.append(replace(request, prompt=prompt if isinstance(prompt, str) else None))
