@@ -260,6 +260,8 @@ class LLMEngine:
     def _fill_grammar_masks(self, out: SchedulerOutput) -> None:
         """The token masks of this step's structured rows that sample (only those: a prefill
         chunk that does not catch up costs nothing)."""
+        if not self.processor.has_grammars:
+            return
         rows = [(sr.request.request_id, self._states[sr.request.request_id].matcher)
                 for sr in out.scheduled if sr.samples]
         rows = [(rid, m) for rid, m in rows if m is not None]

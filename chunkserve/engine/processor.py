@@ -78,6 +78,12 @@ class Processor:
         return EngineRequest(request_id, text, token_ids, params, self.eos_token_ids,
                              arrival_time, priority, grammar)
 
+    @property
+    def has_grammars(self) -> bool:
+        """Whether any request with structured outputs has come (the engine's steps skip the
+        grammar masks entirely until one has)."""
+        return self._grammars is not None
+
     def grammars(self) -> GrammarCompiler:
         """The grammar compiler over this processor's tokenizer (engine/grammar.py)."""
         if self._grammars is None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import queue
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -87,7 +88,7 @@ class CommandQueue(Protocol):
 
 class EngineLoop:
     def __init__(self, engine: LLMEngine, commands: CommandQueue,
-                 emit: "EmitFn") -> None:
+                 emit: Callable[[LoopEvent], None]) -> None:
         self.engine = engine
         self.commands = commands
         self.emit = emit
@@ -203,7 +204,3 @@ class EngineLoop:
         ev.num_applied = self._num_applied
         ev.stats = self.engine.stats()
         self.emit(ev)
-
-
-class EmitFn(Protocol):
-    def __call__(self, event: LoopEvent) -> None: ...
