@@ -26,13 +26,18 @@ class StructuredOutputsParams:
     """What the output must match (vLLM's `StructuredOutputsParams`): exactly one of a JSON
     schema (a dict or its JSON text), a regex, a choice of strings, a grammar (Lark, or GBNF
     as llama.cpp writes it), or `json_object` (any JSON object). Checked here for shape only;
-    the engine's Processor compiles it (engine/grammar.py) and refuses what does not compile."""
+    the engine's Processor compiles it (engine/grammar.py) and refuses what does not compile.
+
+    `strict` (OpenAI's json_schema `strict`; a tool's `function.strict`): True, a schema keyword
+    the grammar cannot enforce is an error; False, it is left unenforced (with a warning in the
+    log) and the rest of the schema still holds. The schema's structure is always enforced."""
 
     json: dict | str | None = None
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    strict: bool = True
 
     def __post_init__(self) -> None:
         given = [name for name in ("json", "regex", "choice", "grammar", "json_object")

@@ -324,18 +324,17 @@ def test_server_bad_template_fields_are_400(server: RemoteServer, path: str,
 
 
 @pytest.mark.parametrize("tool_choice,message", [
-    # No tool_choice with tools means "auto" (vLLM's default), which needs a parser too.
-    (None, 'tool_choice="auto" is not supported'),
+    # No tool_choice with tools means "auto" (vLLM's default), which needs a parser.
+    (None, '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser'),
     ("auto", '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser'),
-    ("required", 'tool_choice="required" is not supported'),
-    ({"type": "function", "function": {"name": "get_weather"}},
-     'tool_choice=function "get_weather" is not supported'),
     ({"type": "function", "function": {"name": "nope"}},
      "The tool specified in `tool_choice` does not match any of the specified `tools`"),
     ("sometimes", "Invalid value for `tool_choice`: sometimes!"),
 ])
 def test_server_tool_choice_without_a_parser_is_400(server: RemoteServer, tool_choice: Any,
                                                     message: str) -> None:
+    """This server has no --tool-call-parser: "auto" is refused ("required" and named choices
+    need none: tests/test_tool_calls.py)."""
     body = {"messages": USER_ONLY, "tools": TOOLS}
     if tool_choice is not None:
         body["tool_choice"] = tool_choice

@@ -4,8 +4,9 @@ should, or is a 400 whose `param` names it.
 Honoured: logit_bias, presence/frequency/repetition_penalty, best_of, echo with logprobs,
 return_tokens_as_token_ids, add_special_tokens, chat_template_kwargs (also
 tests/test_chat_request_fields.py). Refused unless sent with their default value: everything in
-refused_fields.REFUSED_FIELDS (suffix, tools with any tool_choice but "none", beam search,
-...), and chat_template. Structured outputs are served: their fields' checks are here too.
+refused_fields.REFUSED_FIELDS (suffix, beam search, ...), and chat_template. Structured outputs
+are served: their fields' checks are here too (tool calls: tests/test_tool_calls.py; "auto"
+without a tool-call parser is a 400 here).
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ GREEDY = {"temperature": 0, "ignore_eos": True}
 
 # A value that changes the output, for every refused field (a new entry in the table needs one).
 REFUSED_VALUES: dict[str, Any] = {
-    "suffix": "the end", "tool_choice": "auto",
+    "suffix": "the end",
     "functions": [{"name": "f"}], "function_call": "auto", "modalities": ["text", "audio"],
     "audio": {"voice": "alloy", "format": "wav"}, "reasoning_effort": "low",
     "verbosity": "low", "web_search_options": {}, "best_of": 2, "echo": True,
@@ -49,8 +50,6 @@ def _endpoints(name: str) -> list[str]:
 def _body(endpoint: str, name: str, value: Any) -> dict[str, Any]:
     body: dict[str, Any] = ({"prompt": PROMPT} if endpoint == "completions"
                             else {"messages": MESSAGES})
-    if name == "tool_choice":
-        body["tools"] = TOOLS
     head, _, tail = name.partition(".")
     if tail:  # a nested field
         body[head] = {tail: value}
@@ -82,8 +81,6 @@ def test_refused_fields_name_themselves(endpoint: str, name: str) -> None:
     assert param in message, message
     # Its default value (each accepted one) changes nothing, so it is accepted, without a warning.
     for ok in REFUSED_FIELDS[name].accepted:
-        if name == "tool_choice" and ok is None:
-            continue  # with tools, no tool_choice means "auto"
         req = make(**_body(endpoint, name, ok))
         assert param not in req.unknown_fields()
 
@@ -338,6 +335,18 @@ def test_structured_outputs_on_the_server(server: RemoteServer) -> None:
     for fields, message, param in bad:
         r = server.post("/v1/completions", {"prompt": PROMPT, **fields})
         assert_error(r, 400, message=message, param=param)
+    # json_schema's strict: a keyword the grammar cannot enforce is a 400 only when strict.
+    loose = {**flag, "dependentRequired": {"ok": ["why"]}}
+    for strict in (True, False):
+        r = server.post("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 40,
+                                                 "temperature": 0, "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "flag", "schema": loose, "strict": strict}}})
+        if strict:
+            assert_error(r, 400, message="dependentRequired")
+        else:
+            assert isinstance(json.loads(r.json()["choices"][0]["message"]["content"])["ok"],
+                              bool)
 
 
 def test_the_openai_client_parses_a_pydantic_model(server: RemoteServer) -> None:

@@ -14,6 +14,7 @@ preempted request keeps its matcher: recomputing its KV changes none of its toke
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 import llguidance
@@ -24,6 +25,7 @@ from llguidance.gbnf_to_lark import gbnf_to_lark
 from chunkserve.sampling_params import StructuredOutputsParams
 
 Matcher = Any  # llguidance.LLMatcher
+log = logging.getLogger("chunkserve.engine")
 
 
 class GrammarCompiler:
@@ -41,12 +43,22 @@ class GrammarCompiler:
         """The llguidance grammar of `spec`; a ValueError naming the problem if it does not
         compile (an invalid schema or regex, an unsupported keyword)."""
         grammar = _grammar_text(spec)
-        error = llguidance.LLMatcher.validate_grammar(grammar, self._tokenizer)
+        error = self._error(grammar)
+        if error and spec.json is not None and not spec.strict:
+            # Not strict: what llguidance cannot enforce (an unimplemented keyword, an unknown
+            # format) is left out, as long as the schema itself is valid.
+            lenient = _grammar_text(spec, lenient=True)
+            if not self._error(lenient):
+                log.warning("structured output (strict: false): not enforcing %s", error[:300])
+                return lenient
         if error:
-            detail = " ".join(error.split())  # llguidance's message spans lines
             raise ValueError(f"The structured output's {_kind(spec)} is invalid: "
-                             f"{detail[:500]}")
+                             f"{error[:500]}")
         return grammar
+
+    def _error(self, grammar: str) -> str:
+        error = llguidance.LLMatcher.validate_grammar(grammar, self._tokenizer)
+        return " ".join(error.split()) if error else ""  # llguidance's message spans lines
 
     def matcher(self, grammar: str) -> Matcher:
         m = llguidance.LLMatcher(self._tokenizer, grammar)
@@ -81,11 +93,12 @@ def _kind(spec: StructuredOutputsParams) -> str:
 JSON_DEFAULTS = {"whitespace_flexible": False}
 
 
-def _grammar_text(spec: StructuredOutputsParams) -> str:
+def _grammar_text(spec: StructuredOutputsParams, lenient: bool = False) -> str:
     M = llguidance.LLMatcher
     if spec.json is not None:
         schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
-        return M.grammar_from_json_schema(schema, defaults=JSON_DEFAULTS)
+        defaults = {**JSON_DEFAULTS, "lenient": True} if lenient else JSON_DEFAULTS
+        return M.grammar_from_json_schema(schema, defaults=defaults)
     if spec.json_object:
         return M.grammar_from_json_schema(json.dumps({"type": "object"}), defaults=JSON_DEFAULTS)
     if spec.regex is not None:

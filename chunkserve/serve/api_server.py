@@ -50,17 +50,20 @@ def build_app(
     compute: ComputeThread | None = None,
     metrics_require_key: bool = False,
     enable_dev_endpoints: bool = False,
+    tool_call_parser: str | None = None,
 ) -> FastAPI:
     """`engine`: one engine, or the clients of `--data-parallel-size` engine processes.
     `compute`: the thread that built `engine`, where its loop will run (engine_client.py).
     `enable_dev_endpoints` serves POST /reset_prefix_cache, which vLLM exposes only in its
-    development mode: without it anyone who reaches the port could flush the cache."""
+    development mode: without it anyone who reaches the port could flush the cache.
+    `tool_call_parser`: reads tool_choice "auto"'s calls (--enable-auto-tool-choice with
+    --tool-call-parser); None refuses "auto"."""
     clients = engine if isinstance(engine, Sequence) else [InProcessClient(engine, compute)]
     info = clients[0].info  # every engine of a data-parallel server has the same config
     metrics = ServerMetrics(served_model_name, info.max_model_len, info.num_kv_blocks,
                             info.block_size, info.kv_cache_dtype)
     async_engine = AsyncEngine(clients, metrics)
-    serving = Serving(async_engine, served_model_name, max_waiting_requests)
+    serving = Serving(async_engine, served_model_name, max_waiting_requests, tool_call_parser)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -10,7 +10,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from chunkserve.sampling_params import SamplingParams
+from chunkserve.sampling_params import SamplingParams, StructuredOutputsParams
 from chunkserve.serve.chat_tools import (
     check_tool_calls,
     check_tool_choice,
@@ -19,6 +19,7 @@ from chunkserve.serve.chat_tools import (
 )
 from chunkserve.serve.errors import field_error
 from chunkserve.serve.protocol import MAX_LOGPROBS, BaseRequest, SamplingRequest
+from chunkserve.serve.tool_calls import tool_choice_constraint
 
 
 class TextContentPart(BaseModel):
@@ -156,9 +157,9 @@ class ChatCompletionRequest(SamplingRequest, _ChatTemplateRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     # "none" | "auto" | "required" | {"type": "function", "function": {"name"}}; "auto" when
-    # tools are given without it. Only "none" is served (REFUSED_FIELDS): the tools reach the
-    # prompt and the reply is text. Every other choice needs a tool-call parser.
+    # tools are given without it (serve/tool_calls.py says what each one does).
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True  # false: at most one tool call
     # vLLM's default for chat: the chat template already wrote the special tokens it wants.
     add_special_tokens: bool = False
 
@@ -166,6 +167,21 @@ class ChatCompletionRequest(SamplingRequest, _ChatTemplateRequest):
     @classmethod
     def _tool_choice(cls, data: Any) -> Any:
         return check_tool_choice(data)
+
+    def _structured_constraint(self) -> StructuredOutputsParams | None:
+        """A structured-output field, or the grammar of tool_choice "required" or a named
+        function; not both, since the output cannot match two."""
+        sent = super()._structured_constraint()
+        try:
+            tools = tool_choice_constraint(self.tools, self.tool_choice,
+                                           self.parallel_tool_calls)
+        except ValueError as e:
+            raise field_error(str(e), "tools") from None
+        if tools is not None and sent is not None:
+            raise field_error("tool_choice \"required\" or a named function constrains the "
+                              "output to tool calls; it cannot be combined with "
+                              "response_format, guided_* or structured_outputs.", "tool_choice")
+        return sent or tools
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:

@@ -2,8 +2,8 @@
 
 The checks follow vLLM's (its ChatCompletionToolsParam, check_tool_usage and chat_utils), with
 its messages. The tools reach the chat template as sent; a past tool call reaches it with its
-arguments decoded into an object (`template_tool_call`). Only tool_choice "none" is served
-(serve/refused_fields.py): every other choice needs a tool-call parser.
+arguments decoded into an object (`template_tool_call`). What each tool_choice does to the
+output is serve/tool_calls.py's.
 """
 from __future__ import annotations
 
@@ -46,6 +46,8 @@ def check_tools(v: Any) -> Any:
             raise field_error("a tool's function `description` must be a string")
         if not isinstance(function.get("parameters"), dict | None):
             raise field_error("a tool's function `parameters` must be an object (a JSON schema)")
+        if not isinstance(function.get("strict"), bool | None):
+            raise field_error("a tool's function `strict` must be a boolean")
     return v
 
 

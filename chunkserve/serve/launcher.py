@@ -18,6 +18,7 @@ from chunkserve.engine.arg_utils import add_engine_args, config_from_args
 from chunkserve.serve.compute_thread import ComputeThread
 from chunkserve.serve.heap import configure_allocator
 from chunkserve.serve.http_protocol import ConnectionLimits, protocol_class
+from chunkserve.serve.tool_parsers import TOOL_CALL_PARSERS
 
 if TYPE_CHECKING:
     from chunkserve.engine.llm_engine import LLMEngine
@@ -63,6 +64,12 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="after SIGTERM/SIGINT the process exits within this many seconds; "
                         f"requests still running {STOP_RESERVE_S:g} s before that are aborted, "
                         "each with an error (default %(default)s)")
+    s.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='serve tool_choice "auto": the model may call tools, and '
+                        "--tool-call-parser reads the calls out of its text")
+    s.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_CALL_PARSERS),
+                   help="how the model writes tool calls: hermes (<tool_call> JSON blocks: "
+                        "Qwen, Hermes) or llama3_json (Llama 3.1+ JSON calls)")
     add_connection_args(s)
     s.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
@@ -156,12 +163,17 @@ def run_server(args: argparse.Namespace) -> int:
         raise ValueError("--data-parallel-size runs its engines on this node, each with a "
                          "tensor-parallel group on a free port of its own: --nnodes and "
                          "--master-port apply to one engine's ranks only (docs/parallel.md)")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice requires --tool-call-parser "
+                         f"(one of {', '.join(sorted(TOOL_CALL_PARSERS))})")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     configure_allocator()  # before the engine's and the tokenizer's threads allocate (serve/heap.py)
     name = args.served_model_name or args.model
     app = build_app(_build_engines(args), name, args.api_key, args.max_waiting_requests,
                     metrics_require_key=args.metrics_require_key,
-                    enable_dev_endpoints=args.enable_dev_endpoints)
+                    enable_dev_endpoints=args.enable_dev_endpoints,
+                    tool_call_parser=(args.tool_call_parser if args.enable_auto_tool_choice
+                                      else None))
     limits = ConnectionLimits(args.header_timeout, args.body_timeout, args.limit_concurrency,
                               on_reject=app.state.metrics.count_rejected)
     _raise_open_files_limit(limits.limit_concurrency)

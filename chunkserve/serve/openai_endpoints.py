@@ -19,6 +19,8 @@ from chunkserve.serve.errors import error_body
 from chunkserve.serve.protocol import CompletionRequest
 from chunkserve.serve.responses import SSEResponse, until_disconnect
 from chunkserve.serve.serving import ApiError, Serving, get_serving
+from chunkserve.serve.tool_calls import ToolCallReader, tool_call_parser
+from chunkserve.serve.tool_parsers import ToolCallParser
 
 log = logging.getLogger("chunkserve.server")
 router = APIRouter()
@@ -96,6 +98,10 @@ async def chat(
 ) -> Response:
     _check(req, serving)
     serving.check_size(1, req.n)
+    try:
+        tool_parser = tool_call_parser(req.tool_choice, req.tools, serving.tool_call_parser)
+    except ValueError as e:
+        raise ApiError(400, str(e), param="tool_choice") from e
     text = await serving.render_chat(req.message_dicts(), req.add_generation_prompt,
                                      req.continue_final_message, req.template_kwargs())
     prompts = await serving.prepare([text], req.to_sampling_params, req.priority,
@@ -105,22 +111,36 @@ async def chat(
     stream = serving.generate(rid, prompts, req.n, ticket)
     render_token = _renderer(req, serving)
     if req.stream:
-        return _sse(_chat_events(req, rid, created, prompts, stream, serving, render_token),
-                    ticket)
+        readers = _tool_readers(tool_parser, req)
+        return _sse(_chat_events(req, rid, created, prompts, stream, serving, render_token,
+                                 readers), ticket)
     result = await _collect_unless_disconnected(raw, stream, ticket)
     if result is None:
         return Response(status_code=499)
-    choices = [
-        R.chat_choice(
-            i, out.outputs[0].text, out.outputs[0].finish_reason,
-            None if out.outputs[0].logprobs is None
-            else R.chat_logprobs(out.outputs[0].logprobs, render_token),
-        )
-        for i, out in sorted(result.items())
-    ]
+    readers = _tool_readers(tool_parser, req)
+    choices = [_chat_choice(i, out, render_token, readers[i] if readers else None)
+               for i, out in sorted(result.items())]
     usage = R.usage(_prompt_tokens(prompts), sum(len(o.outputs[0].token_ids) for o in result.values()),
                     _cached_tokens(result, req.n))
     return JSONResponse(R.chat_response(rid, serving.model_name, choices, usage, created))
+
+
+def _tool_readers(parser: ToolCallParser | None,
+                  req: ChatCompletionRequest) -> dict[int, ToolCallReader] | None:
+    """Per choice, what reads its tool calls; None when replies are plain text."""
+    if parser is None:
+        return None
+    return {i: ToolCallReader(parser, req.parallel_tool_calls) for i in range(req.n)}
+
+
+def _chat_choice(index: int, out: RequestOutput, render: Any,
+                 reader: ToolCallReader | None) -> dict[str, Any]:
+    c = out.outputs[0]
+    logprobs = None if c.logprobs is None else R.chat_logprobs(c.logprobs, render)
+    if reader is None:
+        return R.chat_choice(index, c.text, c.finish_reason, logprobs)
+    content, calls, reason = reader.message(c.text, c.finish_reason)
+    return R.chat_choice(index, content, reason, logprobs, calls)
 
 
 async def _collect(stream: AsyncIterator[tuple[int, RequestOutput]]) -> dict[int, RequestOutput]:
@@ -271,7 +291,7 @@ def _completion_events(req, rid, created, prompts, stream, serving, render, echo
     return _guarded(events())
 
 
-def _chat_events(req, rid, created, prompts, stream, serving, render):  # type: ignore[no-untyped-def]
+def _chat_events(req, rid, created, prompts, stream, serving, render, readers):  # type: ignore[no-untyped-def]
     async def events() -> AsyncIterator[str]:
         seen = _Choices()
         model = serving.model_name
@@ -282,11 +302,14 @@ def _chat_events(req, rid, created, prompts, stream, serving, render):  # type: 
             c = out.outputs[0]
             if out.finished:
                 seen.finals[index] = out
-            if not c.delta_text and not out.finished:
+            delta, reason = R.chat_delta(c.delta_text), c.finish_reason
+            if readers is not None:  # content and tool calls, as far as the text decides them
+                delta, reason = readers[index].delta(c.delta_text, out.finished, reason)
+            if not any(delta.values()) and not out.finished:
                 continue
             logprobs = seen.new_logprobs(index, out)
             yield sse(R.chat_chunk(
-                rid, model, index, R.chat_delta(c.delta_text), c.finish_reason,
+                rid, model, index, delta, reason,
                 None if logprobs is None else R.chat_logprobs(logprobs, render), created,
             ))
         if req.include_usage:

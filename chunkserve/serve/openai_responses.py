@@ -59,10 +59,14 @@ def completion_chunk(id: str, model: str, index: int, text: str, finish_reason: 
             "choices": [completion_choice(index, text, finish_reason, logprobs)]}
 
 
-def chat_choice(index: int, content: str, finish_reason: str | None,
-                logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-    return {"index": index, "message": {"role": "assistant", "content": content},
-            "logprobs": logprobs, "finish_reason": finish_reason}
+def chat_choice(index: int, content: str | None, finish_reason: str | None,
+                logprobs: dict[str, Any] | None = None,
+                tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    return {"index": index, "message": message, "logprobs": logprobs,
+            "finish_reason": finish_reason}
 
 
 def chat_response(id: str, model: str, choices: list[dict[str, Any]], usage: dict[str, Any],

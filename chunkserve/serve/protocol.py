@@ -165,8 +165,12 @@ class SamplingRequest(BaseRequest):
 
     @model_validator(mode="after")
     def _one_structured_output(self) -> SamplingRequest:
-        self._structured = structured_outputs_of(self)
+        self._structured = self._structured_constraint()
         return self
+
+    def _structured_constraint(self) -> StructuredOutputsParams | None:
+        """What the output must match; chat adds what its tool_choice constrains."""
+        return structured_outputs_of(self)
 
     @field_validator("stop", mode="before")
     @classmethod

@@ -24,11 +24,6 @@ class Refused(NamedTuple):
     message: str  # the 400's message; "{value}" is replaced by the value sent
 
 
-_NO_PARSER = ('tool_choice={value} is not supported: it needs a tool-call parser, which this '
-              'server does not have (vLLM: "auto" tool choice requires --enable-auto-tool-choice '
-              'and --tool-call-parser to be set). Send tool_choice "none": the tools still reach '
-              "the prompt, and the reply comes back as text.")
-
 # Every OpenAI or vLLM request field that would change the output and is not implemented here:
 # sent with any value but an accepted one (its default), it is a 400 whose `param` is the field
 # (the part before the dot for a nested one), never a warning. The one place this rule lives;
@@ -37,11 +32,11 @@ _NO_PARSER = ('tool_choice={value} is not supported: it needs a tool-call parser
 REFUSED_FIELDS: dict[str, Refused] = {
     # OpenAI's fields.
     "suffix": Refused("completions", (None,), "suffix is not currently supported"),
-    "tool_choice": Refused("chat", (None, "none"), _NO_PARSER),  # "auto" is the default with tools
     "functions": Refused("chat", (None,), "`functions` (deprecated by OpenAI) is not supported: "
                          'send `tools` with tool_choice "none"'),
     "function_call": Refused("chat", (None, "none"), "function_call={value} is not supported: "
-                             "this server has no tool-call parser"),
+                             "`function_call` is deprecated by OpenAI; send `tools` and "
+                             "`tool_choice`"),
     "modalities": Refused("chat", (None, ["text"]), "modalities={value} is not supported: this "
                           'server only produces text (["text"])'),
     "audio": Refused("chat", (None,), "audio is not supported: this server only produces text"),
@@ -83,10 +78,10 @@ REFUSED_FIELDS: dict[str, Refused] = {
         "comes in the last chunk (include_usage)"),
 }
 # Known fields that cannot change the output (bookkeeping, or features that only act through a
-# refused field, as parallel_tool_calls does through tool_choice): accepted without a warning.
+# refused field): accepted without a warning.
 HARMLESS_FIELDS = frozenset({
     "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier", "prediction",
-    "parallel_tool_calls", "request_id", "cache_salt",
+    "request_id", "cache_salt",
 })
 _MISSING = object()
 

@@ -50,6 +50,7 @@ class Serving:
         async_engine: AsyncEngine,
         model_name: str,
         max_waiting_requests: int | None = None,
+        tool_call_parser: str | None = None,
     ) -> None:
         self.async_engine = async_engine
         # Read-only from the HTTP threads: validation never waits for the engine loop.
@@ -60,6 +61,7 @@ class Serving:
         self.max_waiting_requests = max_waiting_requests
         self.admission = Admission(async_engine, max_waiting_requests)
         self.token_bound = TokenCountBound(self.tokenizer)
+        self.tool_call_parser = tool_call_parser  # for tool_choice "auto"; None refuses it
 
     def render_token(self, token_id: int) -> str | None:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)

@@ -6,7 +6,10 @@ Clients ask three ways, all accepted as vLLM accepts them:
 - vLLM's older `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`;
 - vLLM's `structured_outputs` object: `{"json": ...}`, `{"regex": ...}`, `{"choice": [...]}`,
   `{"grammar": ...}` or `{"json_object": true}`.
-At most one may be sent; a malformed one is a 400 naming the field. Whether the schema, regex
+At most one may be sent; a malformed one is a 400 naming the field. json_schema's `strict`
+(false unless sent, as in OpenAI's API) decides what a keyword the grammar cannot enforce does:
+a 400 when strict, left unenforced otherwise (StructuredOutputsParams.strict); vLLM's fields
+are always strict. Whether the schema, regex
 or grammar itself compiles is the Processor's check (engine/grammar.py), also a 400.
 """
 from __future__ import annotations
@@ -73,6 +76,6 @@ def _response_format(value: Any) -> StructuredOutputsParams | None:
     if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
         raise field_error("response_format json_schema must be an object with a `schema` "
                           "object.", "response_format")
-    # OpenAI's schema-less json_schema means any JSON object.
+    # OpenAI's schema-less json_schema means any JSON object; `strict` defaults to false.
     schema = spec.get("schema") or {"type": "object"}
-    return _params("response_format", json=schema)
+    return _params("response_format", json=schema, strict=spec.get("strict") is True)
