@@ -23,6 +23,7 @@ from chunkserve.serve.errors import error_body, validation_error_message
 from chunkserve.serve.metrics import ServerMetrics
 from chunkserve.serve.middleware import EdgeMiddleware
 from chunkserve.serve.openai_endpoints import router as openai_router
+from chunkserve.serve.profile_endpoints import router as profile_router
 from chunkserve.serve.protocol import DetokenizeRequest
 from chunkserve.serve.serving import ApiError, Serving, get_serving
 
@@ -51,14 +52,18 @@ def build_app(
     metrics_require_key: bool = False,
     enable_dev_endpoints: bool = False,
     tool_call_parser: str | None = None,
+    profiler_dir: str | None = None,
 ) -> FastAPI:
     """`engine`: one engine, or the clients of `--data-parallel-size` engine processes.
     `compute`: the thread that built `engine`, where its loop will run (engine_client.py).
     `enable_dev_endpoints` serves POST /reset_prefix_cache, which vLLM exposes only in its
     development mode: without it anyone who reaches the port could flush the cache.
     `tool_call_parser`: reads tool_choice "auto"'s calls (--enable-auto-tool-choice with
-    --tool-call-parser); None refuses "auto"."""
-    clients = engine if isinstance(engine, Sequence) else [InProcessClient(engine, compute)]
+    --tool-call-parser); None refuses "auto".
+    `profiler_dir` serves POST /start_profile and /stop_profile, which write each engine's
+    torch.profiler trace there (the clients given were built with the same directory)."""
+    clients = (engine if isinstance(engine, Sequence)
+               else [InProcessClient(engine, compute, profiler_dir=profiler_dir)])
     info = clients[0].info  # every engine of a data-parallel server has the same config
     metrics = ServerMetrics(served_model_name, info.max_model_len, info.num_kv_blocks,
                             info.block_size, info.kv_cache_dtype)
@@ -86,6 +91,12 @@ def build_app(
     app.include_router(openai_router)
     if enable_dev_endpoints:
         app.include_router(cache_router)
+    if profiler_dir is not None:
+        # vLLM's warning too: profiling slows every step, and anyone who can reach the port
+        # can start it.
+        log.warning("torch profiler endpoints enabled, traces in %s: for development only",
+                    profiler_dir)
+        app.include_router(profile_router)
     return app
 
 

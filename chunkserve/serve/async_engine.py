@@ -11,13 +11,13 @@ bookkeeping that admission and the router read is updated on the event loop itse
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING
 
 from chunkserve.engine.processor import EngineRequest, Processor
 from chunkserve.outputs import RequestOutput
+from chunkserve.serve.broadcast import Broadcast
 from chunkserve.serve.compute_thread import ComputeThread
 from chunkserve.serve.dp_router import DPRouter
 from chunkserve.serve.engine_client import EngineClient, EngineInfo, InProcessClient
@@ -30,6 +30,8 @@ from chunkserve.serve.engine_loop import (
     RequestFailedError,
     ResetPrefixCache,
     ShuttingDownError,
+    StartProfile,
+    StopProfile,
 )
 from chunkserve.serve.metrics import ServerMetrics
 
@@ -120,8 +122,8 @@ class AsyncEngine:
         # Called (on any thread) once, when an engine dies: the launcher stops the server.
         self.on_fatal: Callable[[], None] | None = None
         self._closing = False  # the shutdown grace period is over: no new requests
-        self._resets: dict[int, tuple[asyncio.Future[int], list[int]]] = {}
-        self._reset_tokens = itertools.count()
+        self._resets: Broadcast[int] = Broadcast(self.clients)
+        self._profiles: Broadcast[BaseException | None] = Broadcast(self.clients)
         self.error: str | None = None
         if metrics is not None:
             # Each engine's waiting gauge is its queue, read at every scrape on the event loop
@@ -235,12 +237,22 @@ class AsyncEngine:
         """Forgets every engine's cached prefixes (POST /reset_prefix_cache), between steps;
         the sum of their answers."""
         assert self._loop is not None, "start() first"
-        token = next(self._reset_tokens)
-        done: asyncio.Future[int] = self._loop.create_future()
-        self._resets[token] = (done, [])
-        for client in self.clients:
-            client.send(ResetPrefixCache(token))
-        return await done
+        return sum(await self._resets.ask(ResetPrefixCache))
+
+    async def start_profile(self) -> None:
+        """Starts every engine's profiler, each on its own loop (POST /start_profile); raises
+        an engine's refusal (engine/profiler.py's ProfilerStateError: one already runs)."""
+        await self._profile(StartProfile)
+
+    async def stop_profile(self) -> None:
+        """Stops every engine's profiler; each writes its trace before answering."""
+        await self._profile(StopProfile)
+
+    async def _profile(self, command: type[StartProfile] | type[StopProfile]) -> None:
+        assert self._loop is not None, "start() first"
+        errors = [e for e in await self._profiles.ask(command) if e is not None]
+        if errors:
+            raise errors[0]
 
     # ---- events from the engine loops (any thread) ------------------------------------------
     def _handle(self, index: int, ev: LoopEvent) -> None:
@@ -287,7 +299,9 @@ class AsyncEngine:
             if sink is not None:
                 sink.put_nowait(item)
         for token, result in ev.reset_answers:
-            self._answer_reset(token, result)
+            self._resets.answer(token, result)
+        for token, error in ev.profile_answers:
+            self._profiles.answer(token, error)
         if ev.stats is not None:
             self._publish(index, ev.num_applied, ev.stats.num_waiting, ev.stats.num_running)
 
@@ -300,17 +314,6 @@ class AsyncEngine:
         if counts.published[:2] != before[:2]:
             self._places_freed()
 
-    def _answer_reset(self, token: int, result: int) -> None:
-        entry = self._resets.get(token)
-        if entry is None:
-            return
-        done, answers = entry
-        answers.append(result)
-        if len(answers) == len(self.clients):
-            del self._resets[token]
-            if not done.done():
-                done.set_result(sum(answers))
-
     def _fail_engine(self, index: int) -> None:
         """Fails what is still in flight on a dead engine (its loop may not have been able
         to), and whatever waits for an answer from it."""
@@ -319,8 +322,6 @@ class AsyncEngine:
             sink = self._sinks.get(rid)
             if engine == index and sink is not None:
                 sink.put_nowait(error)
-        for token, (done, _) in list(self._resets.items()):
-            del self._resets[token]
-            if not done.done():
-                done.set_exception(error)
+        self._resets.fail(error)
+        self._profiles.fail(error)
         self._places_freed()  # a pending reservation gives up now

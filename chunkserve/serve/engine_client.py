@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from chunkserve.engine.processor import Processor
+from chunkserve.engine.profiler import engine_profiler
 from chunkserve.serve.compute_thread import ComputeThread
 from chunkserve.serve.engine_loop import STOP, EngineLoop, LoopEvent
 
@@ -61,18 +62,21 @@ class EngineClient(Protocol):
 
 class InProcessClient:
     def __init__(self, engine: LLMEngine, compute: ComputeThread | None = None,
-                 index: int = 0) -> None:
+                 index: int = 0, profiler_dir: str | None = None) -> None:
         """`compute`: the thread that built `engine` (the loop then runs there too: one OpenMP
-        pool, serve/compute_thread.py); a thread of its own when None."""
+        pool, serve/compute_thread.py); a thread of its own when None. `profiler_dir`: where
+        /stop_profile writes its traces (None: profiling is off)."""
         self.engine = engine
         self.index = index
+        self.profiler_dir = profiler_dir
         self.info = EngineInfo.of(engine)
         self._compute = compute or ComputeThread()
         self._commands: queue.Queue[object] = queue.Queue()
         self._running: concurrent.futures.Future[None] | None = None
 
     def start(self, handle: EventHandler) -> None:
-        loop = EngineLoop(self.engine, self._commands, lambda ev: handle(self.index, ev))
+        loop = EngineLoop(self.engine, self._commands, lambda ev: handle(self.index, ev),
+                          engine_profiler(self.profiler_dir, self.index))
         self._running = self._compute.start(loop.run)
 
     def send(self, command: object) -> None:

@@ -11,6 +11,7 @@ aborted before the engine applied it is added and dropped in the same drain.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 from collections.abc import Callable
@@ -20,6 +21,7 @@ from typing import Protocol
 from chunkserve.engine.executor import FatalExecutorError
 from chunkserve.engine.llm_engine import EngineStats, LLMEngine, StepError
 from chunkserve.engine.processor import EngineRequest
+from chunkserve.engine.profiler import ProfilerStateError, StepProfiler
 from chunkserve.engine.trace import StepRecord
 from chunkserve.outputs import RequestOutput
 
@@ -60,6 +62,16 @@ class ResetPrefixCache:
     token: int  # echoed in the event that answers it
 
 
+@dataclass(frozen=True)
+class StartProfile:
+    token: int  # echoed in the event that answers it
+
+
+@dataclass(frozen=True)
+class StopProfile:
+    token: int
+
+
 STOP = "stop"  # a plain string: it must compare equal after crossing a process boundary
 
 
@@ -75,6 +87,8 @@ class LoopEvent:
     num_applied: int = 0  # adds applied so far (the front end counts the ones it sent)
     stats: EngineStats | None = None  # the engine's state after this pass
     reset_answers: list[tuple[int, int]] = field(default_factory=list)  # (token, result)
+    # (token, None when done or the error refusing it: a ProfilerStateError, else RuntimeError)
+    profile_answers: list[tuple[int, BaseException | None]] = field(default_factory=list)
     fatal: str | None = None  # the loop died: every request it held was failed above
 
 
@@ -88,10 +102,13 @@ class CommandQueue(Protocol):
 
 class EngineLoop:
     def __init__(self, engine: LLMEngine, commands: CommandQueue,
-                 emit: Callable[[LoopEvent], None]) -> None:
+                 emit: Callable[[LoopEvent], None],
+                 profiler: StepProfiler | None = None) -> None:
+        """`profiler`: what StartProfile/StopProfile drive (None: profiling is off)."""
         self.engine = engine
         self.commands = commands
         self.emit = emit
+        self.profiler = profiler
         self._num_tokens: dict[str, int] = {}  # output tokens already reported, per request
         self._num_applied = 0
         self._refusal: str | None = None  # the FailAll reason: later adds are refused with it
@@ -118,6 +135,9 @@ class EngineLoop:
             self._event.fatal = reason
             self._flush()
             raise
+        finally:
+            if self.profiler is not None:
+                self.profiler.discard()
         self._fail_all(EngineDeadError("the server is shutting down"))
         self._flush()
 
@@ -155,14 +175,38 @@ class EngineLoop:
                 ev.num_aborted += 1
         elif isinstance(cmd, ResetPrefixCache):
             ev.reset_answers.append((cmd.token, self.engine.reset_prefix_cache()))
+        elif isinstance(cmd, (StartProfile, StopProfile)):
+            ev.profile_answers.append((cmd.token, self._profile(cmd)))
         elif isinstance(cmd, FailAll):
             self._refusal = cmd.reason
             self._fail_all(ShuttingDownError(cmd.reason))
 
+    def _profile(self, cmd: StartProfile | StopProfile) -> BaseException | None:
+        """Starts or stops the profiler here, on the thread that runs the steps (torch's
+        profiler records the operators of the thread that starts it); None when done, else
+        the error refusing it."""
+        if self.profiler is None:
+            return ProfilerStateError("Profiling is not enabled on this engine.")
+        try:
+            if isinstance(cmd, StartProfile):
+                self.profiler.start()
+            else:
+                self.profiler.stop()
+        except ProfilerStateError as e:
+            return e
+        except Exception as e:  # noqa: BLE001 - a failed profile must not stop the engine
+            log.exception("the profiler failed")
+            # A plain RuntimeError: it must cross a process boundary (--data-parallel-size).
+            return RuntimeError(f"the profiler failed: {e}")
+        return None
+
     def _step(self) -> None:
         ev = self._event
+        step_scope = (self.profiler.step() if self.profiler is not None
+                      else contextlib.nullcontext())
         try:
-            result = self.engine.step()
+            with step_scope:
+                result = self.engine.step()
         except StepError as e:
             cause = e.__cause__ or e
             if isinstance(cause, FatalExecutorError):

@@ -27,6 +27,7 @@ import torch.multiprocessing as mp
 from chunkserve.config import EngineConfig
 from chunkserve.engine.cpu_binding import ENV, explicit_lists, rank_cores
 from chunkserve.engine.parent_watch import exit_with_parent
+from chunkserve.engine.profiler import engine_profiler
 from chunkserve.serve.engine_client import EngineInfo, EventHandler
 from chunkserve.serve.engine_loop import STOP, EngineLoop, LoopEvent
 
@@ -41,6 +42,7 @@ class EngineSpec:
     index: int
     cores: tuple[int, ...]  # the CPUs this engine (and its tensor-parallel workers) may use
     bind: str | None = None  # its ranks' VLLM_CPU_OMP_THREADS_BIND lists, when given
+    profiler_dir: str | None = None  # where its /stop_profile traces go (None: off)
 
 
 def split_cores(num_engines: int, tp: int = 1) -> list[tuple[tuple[int, ...], str | None]]:
@@ -79,7 +81,8 @@ def _engine_main(spec: EngineSpec, commands: mp.Queue, events: mp.Queue) -> None
         sys.exit(1)
     events.put(("ready", EngineInfo.of(engine)))
     try:
-        EngineLoop(engine, commands, events.put).run()
+        EngineLoop(engine, commands, events.put,
+                   engine_profiler(spec.profiler_dir, spec.index)).run()
     except BaseException:  # the loop logged it and failed its requests; exit non-zero
         sys.exit(1)
     finally:
@@ -176,11 +179,12 @@ class EngineProcessClient:
                 return
 
 
-def start_engines(config: EngineConfig, num_engines: int,
-                  timeout: float = 600.0) -> list[EngineProcessClient]:
-    """`num_engines` engine processes, loaded in parallel; all stopped if any fails."""
+def start_engines(config: EngineConfig, num_engines: int, timeout: float = 600.0,
+                  profiler_dir: str | None = None) -> list[EngineProcessClient]:
+    """`num_engines` engine processes, loaded in parallel; all stopped if any fails.
+    `profiler_dir`: each engine profiles itself into it on /start_profile (None: off)."""
     tp = config.parallel_config.tensor_parallel_size
-    specs = [EngineSpec(config, i, cores, bind)
+    specs = [EngineSpec(config, i, cores, bind, profiler_dir)
              for i, (cores, bind) in enumerate(split_cores(num_engines, tp))]
     clients: list[EngineProcessClient] = []
     try:

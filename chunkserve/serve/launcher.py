@@ -32,6 +32,7 @@ log = logging.getLogger("chunkserve.server")
 SHUTDOWN_GRACE_S = 5.0
 STOP_RESERVE_S = 1.0
 UVICORN_STARTUP_FAILURE = 3  # what `uvicorn.run` exits with when it cannot start
+PROFILER_DIR_ENV = "VLLM_TORCH_PROFILER_DIR"  # vLLM's; --profiler-dir wins over it
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
@@ -53,6 +54,10 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="with --api-key, require the key on /metrics too")
     s.add_argument("--enable-dev-endpoints", action="store_true",
                    help="serve POST /reset_prefix_cache (vLLM: VLLM_SERVER_DEV_MODE=1)")
+    s.add_argument("--profiler-dir", default=None, metavar="DIR",
+                   help="serve POST /start_profile and /stop_profile, which write each "
+                        "engine's torch.profiler trace (Chrome JSON) into DIR, created if "
+                        f"missing (vLLM: {PROFILER_DIR_ENV}, used when this is not given)")
     s.add_argument("--served-model-name", default=None,
                    help="the model id clients send and /v1/models lists (default: MODEL)")
     s.add_argument("--max-waiting-requests", type=int, default=None,
@@ -134,11 +139,24 @@ def _build_engines(args: argparse.Namespace) -> list[EngineClient]:
     if args.data_parallel_size > 1:
         from chunkserve.serve.engine_proc import start_engines
 
-        return list(start_engines(config_from_args(args), args.data_parallel_size))
+        return list(start_engines(config_from_args(args), args.data_parallel_size,
+                                  profiler_dir=args.profiler_dir))
     from chunkserve.serve.engine_client import InProcessClient
 
     compute = ComputeThread()
-    return [InProcessClient(compute.call(lambda: build_engine(args)), compute)]
+    return [InProcessClient(compute.call(lambda: build_engine(args)), compute,
+                            profiler_dir=args.profiler_dir)]
+
+
+def _profiler_dir(args: argparse.Namespace) -> str | None:
+    """--profiler-dir, else $VLLM_TORCH_PROFILER_DIR, checked (and created) before any model
+    loads; None when neither is set."""
+    from chunkserve.engine.profiler import check_profiler_dir  # torch: not for `--help`
+
+    if args.profiler_dir:
+        return check_profiler_dir(args.profiler_dir, "--profiler-dir")
+    env = os.environ.get(PROFILER_DIR_ENV)
+    return check_profiler_dir(env, PROFILER_DIR_ENV) if env else None
 
 
 def run_server(args: argparse.Namespace) -> int:
@@ -166,6 +184,7 @@ def run_server(args: argparse.Namespace) -> int:
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice requires --tool-call-parser "
                          f"(one of {', '.join(sorted(TOOL_CALL_PARSERS))})")
+    args.profiler_dir = _profiler_dir(args)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     configure_allocator()  # before the engine's and the tokenizer's threads allocate (serve/heap.py)
     name = args.served_model_name or args.model
@@ -173,7 +192,8 @@ def run_server(args: argparse.Namespace) -> int:
                     metrics_require_key=args.metrics_require_key,
                     enable_dev_endpoints=args.enable_dev_endpoints,
                     tool_call_parser=(args.tool_call_parser if args.enable_auto_tool_choice
-                                      else None))
+                                      else None),
+                    profiler_dir=args.profiler_dir)
     limits = ConnectionLimits(args.header_timeout, args.body_timeout, args.limit_concurrency,
                               on_reject=app.state.metrics.count_rejected)
     _raise_open_files_limit(limits.limit_concurrency)
