@@ -84,6 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_diagnose_args(diag)
     diag.set_defaults(func=run_diagnose)
 
+    from chunkserve.engine.trace_cli import add_trace_args
+
+    trace = sub.add_parser("trace", help="convert a step trace to a Perfetto timeline")
+    add_trace_args(trace)
+
     from chunkserve.tune.cli import add_tune_args
 
     tune = sub.add_parser("tune", help="recommend chunking flags for a workload and SLOs "

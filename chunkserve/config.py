@@ -279,6 +279,7 @@ class EngineConfig:
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     trace_file: str | None = None
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    trace_format: str | None = None  # "jsonl" or "perfetto"; None: by trace_file's suffix
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
@@ -293,6 +294,7 @@ class EngineConfig:
             "scheduler": {f.name for f in fields(SchedulerConfig)} - {"max_model_len"},
         }
         trace_file = kwargs.pop("trace_file", None)
+        trace_format = kwargs.pop("trace_format", None)
         for key, value in kwargs.items():
             owner = next((name for name, keys in owners.items() if key in keys), None)
             if owner is None:
@@ -304,6 +306,7 @@ class EngineConfig:
             SchedulerConfig(**parts["scheduler"]),
             trace_file,
             ParallelConfig(**parts["parallel"]),
+            trace_format,
         )
         config.model_config.verify()
         config.cache_config.verify()

@@ -143,3 +143,27 @@ def test_failures_are_recorded_not_raised(server: str, tmp_path: Path,
     saved = _saved(tmp_path)
     assert saved["completed"] == 0 and saved["failed"] == 2
     assert all(e.startswith("HTTP 404") for e in saved["errors"])
+
+
+def test_json_schema_outputs_parse(server: str, tmp_path: Path, smollm2_path: str) -> None:
+    """`--dataset-name json-schema` (tests/test_bench_json_schema.py has the offline checks)."""
+    import jsonschema
+
+    from chunkserve.benchlib.json_schemas import json_schema_requests
+    from chunkserve.tokenizer.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(smollm2_path)
+    # /v1/completions: the server's 256-token context leaves a chat-templated prompt with its
+    # schema (up to 200 tokens) too little room; the chat payload is checked above.
+    r = _bench(server, "--dataset-name", "json-schema",
+               "--num-prompts", "6", "--random-output-len", "64", "--temperature", "0",
+               "--save-detailed", "--result-dir", str(tmp_path), "--result-filename", "r.json")
+    assert r.returncode == 0, r.stderr
+    assert "{:<40} {:<10}".format("Outputs that parse as JSON:", "6/6") in r.stdout.splitlines()
+    saved = json.loads((tmp_path / "r.json").read_text())
+    assert saved["completed"] == 6 and saved["ignore_eos"] is False
+    sent = json_schema_requests(tokenizer, 6, seed=0, output_len=64)  # the bench's, in order
+    for text, req in zip(saved["generated_texts"], sent, strict=True):
+        jsonschema.validate(json.loads(text), req.json_schema)  # type: ignore[arg-type]
+    # The JSON's end stopped each request, before max_tokens.
+    assert all(0 < n < 64 for n in saved["output_lens"])

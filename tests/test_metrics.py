@@ -3,6 +3,7 @@ the exposition text rather than poking at prometheus_client internals."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -26,7 +27,8 @@ GAUGES = [
 ]
 COUNTERS = [  # exposed sample names
     "vllm:num_preemptions_total", "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
-    "vllm:request_success_total",
+    "vllm:request_success_total", "chunkserve:grammar_masked_rows_total",
+    "chunkserve:grammar_mask_seconds_total",
 ]
 HISTOGRAMS = [
     "vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
@@ -243,6 +245,18 @@ def test_steps_gauges_and_counters() -> None:
     assert value(s, "vllm:num_requests_waiting") == 1
     assert value(s, "vllm:kv_cache_usage_perc") == 0.75
     assert value(s, "chunkserve:kv_cache_internal_fragmentation_tokens") == 17
+
+
+def test_grammar_counters_sum_the_masked_steps() -> None:
+    sm = ServerMetrics(MODEL, 2048)
+    sm.observe_step(replace(step(0, prefill=0, decode=4, duration=0.01), num_grammar_rows=3,
+                            grammar_mask_time=0.002))
+    sm.observe_step(step(1, prefill=0, decode=4, duration=0.01))  # unconstrained: no change
+    sm.observe_step(replace(step(2, prefill=8, decode=1, duration=0.01), num_grammar_rows=2,
+                            grammar_mask_time=0.001))
+    s = scrape(sm)
+    assert value(s, "chunkserve:grammar_masked_rows_total") == 5
+    assert value(s, "chunkserve:grammar_mask_seconds_total") == pytest.approx(0.003)
 
 
 def test_instances_do_not_interfere() -> None:

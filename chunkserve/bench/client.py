@@ -42,6 +42,16 @@ def build_payload(*, chat: bool, model: str, prompt: str, output_len: int, ignor
     return payload
 
 
+def json_schema_body(*, chat: bool, schema: dict[str, Any]) -> dict[str, Any]:
+    """The fields that constrain the output to `schema`: OpenAI's `response_format` on chat
+    (named by the schema's title), vLLM's `structured_outputs` on /v1/completions, where
+    OpenAI's API has no such field."""
+    if chat:
+        return {"response_format": {"type": "json_schema", "json_schema": {
+            "name": schema.get("title", "output"), "schema": schema}}}
+    return {"structured_outputs": {"json": schema}}
+
+
 def _chunk_text(choice: dict[str, Any], chat: bool) -> str:
     if not chat:
         return choice.get("text") or ""

@@ -127,13 +127,21 @@ def _result_path(args: argparse.Namespace, backend: str, model_id: str, date: st
 async def _run(args: argparse.Namespace, session: aiohttp.ClientSession, url: str,
                headers: dict[str, str], requests: list[BenchRequest], model: str,
                ignore_eos: bool, count_tokens: Any) -> tuple[list[RequestResult], float]:
-    from chunkserve.bench.client import build_payload, is_chat_endpoint, send_request
+    from chunkserve.bench.client import (
+        build_payload,
+        is_chat_endpoint,
+        json_schema_body,
+        send_request,
+    )
 
     chat = is_chat_endpoint(url)
 
     def payload(req: BenchRequest) -> dict[str, Any]:
+        extra = (json_schema_body(chat=chat, schema=req.json_schema)
+                 if req.json_schema is not None else None)
         return build_payload(chat=chat, model=model, prompt=req.prompt, output_len=req.output_len,
-                             ignore_eos=ignore_eos, temperature=args.temperature)
+                             ignore_eos=ignore_eos, temperature=args.temperature,
+                             extra_body=extra)
 
     async def one(req: BenchRequest) -> RequestResult:
         return await send_request(session, url, payload(req), prompt_len=req.prompt_len,
@@ -235,6 +243,8 @@ async def _bench(args: argparse.Namespace) -> int:
     print_summary(metrics, selected_percentile_metrics=percentile_metrics,
                   selected_percentiles=percentiles, max_concurrency=args.max_concurrency,
                   request_rate=args.request_rate)
+    if args.dataset_name == "json-schema":
+        _print_json_parsed(results)
     if args.save_result or args.save_detailed:
         _save_result(args, results, {
             "backend": backend, "model_id": model_id, "tokenizer_id": tokenizer_id,
@@ -244,6 +254,20 @@ async def _bench(args: argparse.Namespace) -> int:
             "dataset_name": args.dataset_name, "endpoint": endpoint, "ignore_eos": ignore_eos,
             "goodput_slos_ms": slos, **metrics})
     return 0
+
+
+def _print_json_parsed(results: list[RequestResult]) -> None:
+    """How many outputs parse as JSON. A completed request whose output does not parse ran out of
+    max_tokens mid-object, or went to a server that ignored the schema."""
+    def parses(text: str) -> bool:
+        try:
+            json.loads(text)
+        except ValueError:
+            return False
+        return True
+
+    parsed = sum(parses(r.generated_text) for r in results if r.success)
+    print("{:<40} {:<10}".format("Outputs that parse as JSON:", f"{parsed}/{len(results)}"))
 
 
 def _save_result(args: argparse.Namespace, results: list[RequestResult],

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from chunkserve.benchlib.json_schemas import json_schema_requests
 from chunkserve.benchlib.metrics import parse_goodput
 from chunkserve.benchlib.shared_prefix import (
     add_shared_prefix_args,
@@ -30,6 +31,7 @@ from chunkserve.benchlib.workloads import (
 )
 from chunkserve.config import CHUNKED_SCHEDULERS, NO_CHUNK_SCHEDULERS
 from chunkserve.engine.arg_utils import add_chunk_policy_args
+from chunkserve.engine.trace import TRACE_FORMATS
 
 
 def int_pair(text: str) -> tuple[int, int]:
@@ -52,7 +54,9 @@ def add_workload_args(
     p.add_argument("--num-prompts", type=int, default=num_prompts)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--random-input-len", type=int, default=1024)
-    p.add_argument("--random-output-len", type=int, default=128)
+    p.add_argument("--random-output-len", type=int, default=128,
+                   help="output tokens (random, shared-prefix, file's default); json-schema: "
+                        "the max_tokens cap")
     p.add_argument("--random-range-ratio", type=float, default=0.0)
     p.add_argument("--mixed-long-fraction", type=float, default=0.1,
                    help="share of long prompts in the mixed workload")
@@ -150,6 +154,9 @@ def add_sweep_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace-dir", default=None,
                    help="also write each configuration's step trace there "
                         "(steps-CHUNK.jsonl, the --trace-file format)")
+    p.add_argument("--trace-format", choices=TRACE_FORMATS, default="jsonl",
+                   help="--trace-dir's format: jsonl, or perfetto (steps-CHUNK.json, a "
+                        "timeline for ui.perfetto.dev; labelled simulated from `sim`)")
 
 
 def check_sweep_args(args: argparse.Namespace) -> None:
@@ -191,6 +198,8 @@ def workload_requests(
     if args.dataset_name == "shared-prefix":
         return shared_prefix_requests(spec_from_args(args), args.num_prompts, seed,
                                       args.random_output_len, tokenizer)
+    if args.dataset_name == "json-schema":
+        return json_schema_requests(tokenizer, args.num_prompts, seed, args.random_output_len)
     return sample_requests(args.dataset_name, tokenizer, args.num_prompts, seed,
                            dataset_path=args.dataset_path, **_length_kwargs(args))
 
@@ -199,7 +208,8 @@ def workload_lengths(args: argparse.Namespace) -> list[BenchRequest]:
     """The flags' workload as lengths only: all a simulation needs, and the same lengths as
     `workload_requests` draws for the seed. `shared-prefix` keeps token ids (made without a
     tokenizer): which prompts share blocks is what decides the simulated cache hits."""
-    if args.dataset_name == "file":
+    if args.dataset_name in ("file", "json-schema"):
+        # json-schema: an output's length is where its JSON ends, which only a model decides.
         raise ValueError("the simulator needs lengths only: use random, mixed, sharegpt-like or "
                          "shared-prefix")
     if args.dataset_name == "shared-prefix":

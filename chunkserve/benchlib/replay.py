@@ -17,7 +17,11 @@ from chunkserve.engine.clock import Clock
 from chunkserve.engine.llm_engine import LLMEngine, StepResult
 from chunkserve.engine.trace import StepRecord
 from chunkserve.outputs import RequestOutput
-from chunkserve.sampling_params import RequestOutputKind, SamplingParams
+from chunkserve.sampling_params import (
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 
 
 def result_from_output(out: RequestOutput, start_offset: float) -> RequestResult:
@@ -47,7 +51,8 @@ def replay(
 
     `clock` must be the engine's own; `on_step` sees every step (calibration reads shapes).
     Requests ignore EOS and run to their output length, so every configuration does the same
-    work.
+    work; one with a JSON schema (greedy, so the same JSON in every configuration) stops
+    where its JSON ends.
     """
     order = sorted(range(len(requests)), key=lambda i: arrivals[i])
     results: dict[str, RequestResult] = {}
@@ -59,8 +64,11 @@ def replay(
         while nxt < len(order) and start + arrivals[order[nxt]] <= now:
             i = order[nxt]
             req = requests[i]
+            structured = (StructuredOutputsParams(json=req.json_schema)
+                          if req.json_schema is not None else None)
             params = SamplingParams(max_tokens=req.output_len, temperature=0.0, ignore_eos=True,
-                                    output_kind=RequestOutputKind.FINAL_ONLY)
+                                    output_kind=RequestOutputKind.FINAL_ONLY,
+                                    structured_outputs=structured)
             engine.add_request(f"r{i}", req.prompt_token_ids, params, start + arrivals[i])
             nxt += 1
         if engine.has_unfinished_requests():

@@ -20,6 +20,7 @@ from matplotlib import ticker  # noqa: E402
 
 from chunkserve.benchlib.metrics import parse_goodput, parse_percentiles  # noqa: E402
 from chunkserve.benchlib.sweep import AUTO, RunResult, SweepPoint, summarize  # noqa: E402
+from chunkserve.engine.timeline import write_timeline  # noqa: E402
 from chunkserve.engine.trace import write_trace  # noqa: E402
 
 PLOTS = ("latency_vs_chunk.png", "tpot_cdf.png", "step_timeline.png")
@@ -62,12 +63,22 @@ def sweep_and_report(
         )
         write_results(args.out, entries)  # after every point: a long sweep keeps what it did
         if getattr(args, "trace_dir", None):
-            os.makedirs(args.trace_dir, exist_ok=True)
-            write_trace(os.path.join(args.trace_dir, f"steps-{point.label}.jsonl"), run.records)
+            _write_step_trace(args, point, run, simulated=bool(extra.get("simulated")))
     write_table(args.out, entries, title, command)
     plot_all(args.out, entries, runs)
     print(table_markdown(entries, title, command))
     return 0
+
+
+def _write_step_trace(args: argparse.Namespace, point: SweepPoint, run: RunResult,
+                      simulated: bool) -> None:
+    """--trace-dir: the configuration's step trace, as JSON lines or a Perfetto timeline."""
+    os.makedirs(args.trace_dir, exist_ok=True)
+    name = os.path.join(args.trace_dir, f"steps-{point.label}")
+    if getattr(args, "trace_format", None) == "perfetto":
+        write_timeline(name + ".json", run.records, simulated)
+    else:
+        write_trace(name + ".jsonl", run.records)
 
 
 def write_results(out_dir: str, entries: list[dict[str, Any]]) -> str:

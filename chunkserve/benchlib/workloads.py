@@ -9,11 +9,11 @@ import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
-DATASET_NAMES = ("random", "mixed", "sharegpt-like", "shared-prefix", "file")
+DATASET_NAMES = ("random", "mixed", "sharegpt-like", "shared-prefix", "file", "json-schema")
 
 # ShareGPT-like lengths (no download): log-normal fits of ShareGPT V3 as vLLM filters it (prompts
 # and outputs of 4..1024 tokens, prompt + output <= 2048). Medians/sigmas give means near the
@@ -43,7 +43,9 @@ class BenchRequest:
     prompt: str
     prompt_token_ids: list[int]
     prompt_len: int
-    output_len: int
+    output_len: int  # max_tokens; with a JSON schema a cap, the JSON's end stops it sooner
+    # The JSON schema the output must follow (the json-schema dataset), else None.
+    json_schema: dict[str, Any] | None = None
 
 
 def _length_range(mean: int, ratio: float) -> tuple[int, int]:
@@ -214,6 +216,8 @@ def sample_requests(dataset_name: str, tokenizer: BenchTokenizer, num_prompts: i
     if dataset_name == "shared-prefix":
         # Its own module (it builds on this one), with its own flags: see benchlib.args.
         raise ValueError("the shared-prefix dataset is built by shared_prefix_requests")
+    if dataset_name == "json-schema":
+        raise ValueError("the json-schema dataset is built by json_schema_requests")
     if dataset_name not in DATASET_NAMES:
         raise ValueError(f"unknown dataset {dataset_name!r}; expected one of "
                          f"{', '.join(DATASET_NAMES)}")

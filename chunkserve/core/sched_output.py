@@ -30,6 +30,8 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest]
     preempted_req_ids: list[str] = field(default_factory=list)
+    # Left the waiting queue this step: admitted, or resumed after a preemption.
+    admitted_req_ids: list[str] = field(default_factory=list)
     # Finished (or aborted) since the previous step: the runner drops their per-request state.
     finished_req_ids: list[str] = field(default_factory=list)
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)

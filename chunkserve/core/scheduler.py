@@ -185,6 +185,7 @@ class Scheduler:
                                       num_computed=start) is None:
                 break  # strict FCFS: nobody overtakes a request that does not fit
             self._remove_waiting(req)
+            self._out.admitted_req_ids.append(req.request_id)
             self._apply_hit(req, num_hit)
             if req.swapped_out:
                 self._out.blocks_to_swap_in += self.swap.swap_in(

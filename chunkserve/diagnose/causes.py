@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from chunkserve.diagnose.gaps import Gap, StepFit, attention_work, end
+from chunkserve.diagnose.gaps import Gap, StepFit, attention_work, end, fit_steps, token_gaps
 from chunkserve.engine.trace import StepRecord
 
 CAUSES = ("long_prefill", "fixed_overhead", "attention_growth", "preemption_recompute",
@@ -133,3 +133,12 @@ def preempted_gaps(records: Sequence[StepRecord], redo: set[tuple[int, str]]) ->
             "kv_usage": max(records[k].kv_usage for k in range(p, first + 1)),
             "waiting": records[p].num_waiting, "running": records[p].num_running}))
     return out
+
+
+def attribute_all(records: Sequence[StepRecord]) -> tuple[StepFit, list[Attributed]]:
+    """Every token gap of the trace with its causes, and the step-time fit that explained them:
+    the gaps between decodes, then each preempted request's wait and recompute."""
+    fit = fit_steps(records)
+    redo = recompute_entries(records)
+    attributed = [attribute(g, records, fit, redo) for g in token_gaps(records)]
+    return fit, attributed + preempted_gaps(records, redo)

@@ -21,6 +21,9 @@ def add_diagnose_args(p: argparse.ArgumentParser) -> None:
                    help="the token gap to suggest flags for (default: 2x the median gap)")
     p.add_argument("--plot", default=None, metavar="OUT.png", help="write the step timeline")
     p.add_argument("--json", action="store_true", help="print the diagnosis as JSON")
+    p.add_argument("--perfetto", default=None, metavar="OUT.json",
+                   help="write the trace's Perfetto timeline with the worst token gaps drawn "
+                        "on it, named by cause (open it in ui.perfetto.dev)")
 
 
 def load_prompt_lens(path: str) -> dict[str, int]:
@@ -48,7 +51,14 @@ def run_diagnose(args: argparse.Namespace) -> int:
         from chunkserve.diagnose.plot import plot_timeline
 
         plot_timeline(records, d, args.plot)
+    if args.perfetto:
+        from chunkserve.diagnose.perfetto import write_diagnosed_timeline
+
+        num_gaps = write_diagnosed_timeline(args.perfetto, records)
     print(json.dumps(d, indent=2) if args.json else format_text(d, args.trace))
     if args.plot and not args.json:
         print(f"\ntimeline: {args.plot}", file=sys.stderr)
+    if args.perfetto and not args.json:
+        print(f"Perfetto timeline with the {num_gaps} worst gaps: {args.perfetto}",
+              file=sys.stderr)
     return 0

@@ -9,14 +9,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from chunkserve.diagnose.causes import (
-    CAUSES,
-    Attributed,
-    attribute,
-    preempted_gaps,
-    recompute_entries,
-)
-from chunkserve.diagnose.gaps import StepFit, fit_steps, token_gaps, weighted_percentile
+from chunkserve.diagnose.causes import CAUSES, Attributed, attribute_all
+from chunkserve.diagnose.gaps import StepFit, weighted_percentile
 from chunkserve.engine.trace import StepRecord
 
 
@@ -25,10 +19,7 @@ def diagnose(records: Sequence[StepRecord], prompt_lens: dict[str, int] | None =
     busy = [r for r in records if r.num_tokens]
     if not busy:
         raise ValueError("the trace has no step that computed tokens: nothing to diagnose")
-    fit = fit_steps(records)
-    redo = recompute_entries(records)
-    attributed = [attribute(g, records, fit, redo) for g in token_gaps(records)]
-    attributed += preempted_gaps(records, redo)
+    fit, attributed = attribute_all(records)
     if not attributed:
         raise ValueError("the trace has no decode steps, so no token gaps to diagnose")
     gaps = [a.gap for a in attributed]

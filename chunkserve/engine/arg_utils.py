@@ -20,6 +20,7 @@ from chunkserve.config import (
     SCHEDULING_POLICIES,
     EngineConfig,
 )
+from chunkserve.engine.trace import TRACE_FORMATS
 
 
 def add_engine_args(p: argparse.ArgumentParser, model_flag: bool = True) -> None:
@@ -88,7 +89,12 @@ def add_engine_args(p: argparse.ArgumentParser, model_flag: bool = True) -> None
     c.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
                    help="one block table for all layers: sliding-window layers keep every "
                         "block instead of freeing what left their window (vLLM's flag)")
-    p.add_argument("--trace-file", default=None, help="write one JSON line per engine step")
+    p.add_argument("--trace-file", default=None,
+                   help="write the step trace there: one JSON line per engine step, or a "
+                        "Perfetto timeline for a .json file (docs/trace.md)")
+    p.add_argument("--trace-format", choices=TRACE_FORMATS, default=None,
+                   help="jsonl or perfetto (ui.perfetto.dev, chrome://tracing); default: "
+                        "perfetto for a .json --trace-file, else jsonl")
 
 
 def add_chunk_policy_args(p: argparse._ActionsContainer) -> None:
@@ -134,7 +140,7 @@ ENGINE_KEYS = (
     "enforce_eager", "quantization", "enable_chunked_prefill",
     "max_num_batched_tokens", "max_num_seqs", "scheduler", "long_prefill_token_threshold",
     "scheduling_policy", "block_size", "kv_cache_memory", "num_kv_blocks", "preemption_mode",
-    "swap_space", "trace_file", "enable_prefix_caching", "kv_cache_dtype", "chunk_policy",
+    "swap_space", "trace_file", "trace_format", "enable_prefix_caching", "kv_cache_dtype", "chunk_policy",
     "target_itl_ms", "min_chunk_tokens", "disable_hybrid_kv_cache_manager",
     "tensor_parallel_size", "nnodes", "node_rank", "master_addr", "master_port",
     # Not a flag: the adaptive policy's step-time model, which the command line builds from

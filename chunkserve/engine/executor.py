@@ -23,6 +23,9 @@ class RunnerOutput:
     prompt_logprobs: dict[str, tuple[int, list[list[tuple[int, float]]]]] = field(
         default_factory=dict
     )
+    # Seconds the sampler spent applying grammar masks to the logits (0 without any): the
+    # engine adds it to its own mask-filling time in the step's record.
+    grammar_time: float = 0.0
 
 
 class FatalExecutorError(RuntimeError):

@@ -21,7 +21,8 @@ from chunkserve.core.scheduler import Scheduler
 from chunkserve.engine.detokenizer import IncrementalDetokenizer
 from chunkserve.engine.executor import Executor
 from chunkserve.engine.processor import EngineRequest, Processor
-from chunkserve.engine.trace import StepRecord, StepTrace, step_record
+from chunkserve.engine.trace import StepRecord, step_record
+from chunkserve.engine.trace_writer import StepTrace
 from chunkserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from chunkserve.sampling_params import RequestOutputKind, SamplingParams
 
@@ -104,11 +105,15 @@ class LLMEngine:
                     "concurrency for %d tokens per request: %.2fx", self.num_kv_blocks,
                     cc.block_size, groups.num_groups, list(groups.windows), self.max_model_len,
                     self.num_kv_blocks / needed)
-        self.trace = StepTrace(config.trace_file)
+        self.trace = StepTrace(config.trace_file, config.trace_format)
         # The adaptive policy's model, when it learns from the steps it plans (else None).
         step_time = config.scheduler_config.step_time
         self.step_model = step_time if isinstance(step_time, LearnedStepTime) else None
         self._states: dict[str, _RequestState] = {}
+        # For the next step's record (the timeline): requests added since the previous step
+        # ([id, arrival, prompt tokens]), and those finished in it or aborted since.
+        self._arrived: list[list] = []
+        self._finished: list[str] = []
         self._step_count = 0
         self._next_id = 0
 
@@ -204,12 +209,14 @@ class LLMEngine:
             state.matcher = grammars.matcher(grammar)
         self._states[rid] = state
         self.scheduler.add_request(req)
+        self._arrived.append([rid, arrival, len(request.prompt_token_ids)])
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
         for rid in ids:
-            self._states.pop(rid, None)
+            if self._states.pop(rid, None) is not None:
+                self._finished.append(rid)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -225,7 +232,7 @@ class LLMEngine:
         start = self.clock()
         out = self.scheduler.schedule()
         try:
-            self._fill_grammar_masks(out)
+            fill_time = self._fill_grammar_masks(out)
             for sr in out.scheduled:
                 if not sr.is_decode:  # a decode was scheduled before, by definition
                     self._states[sr.request.request_id].metrics.on_scheduled(start)
@@ -246,7 +253,10 @@ class LLMEngine:
             # every cached prefix rather than serve one that was never written.
             self.scheduler.reset_prefix_cache()
             raise StepError([s.request.request_id for s in out.scheduled]) from e
-        record = step_record(self._step_count, start, self.clock() - start, out)
+        record = step_record(self._step_count, start, self.clock() - start, out,
+                             grammar_mask_time=fill_time + result.grammar_time,
+                             arrived=self._arrived, finished=self._finished)
+        self._arrived, self._finished = [], []
         if self.step_model is not None:
             state = self.step_model.observe(out.scheduled, record.duration)
             if state is not None:
@@ -257,17 +267,21 @@ class LLMEngine:
         self._step_count += 1
         return StepResult(outputs, record, out.scheduled)
 
-    def _fill_grammar_masks(self, out: SchedulerOutput) -> None:
+    def _fill_grammar_masks(self, out: SchedulerOutput) -> float:
         """The token masks of this step's structured rows that sample (only those: a prefill
-        chunk that does not catch up costs nothing)."""
+        chunk that does not catch up costs nothing); returns the seconds the fill took, for
+        the step's record (0, and nothing timed, when no row has a grammar)."""
         if not self.processor.has_grammars:
-            return
+            return 0.0
         rows = [(sr.request.request_id, self._states[sr.request.request_id].matcher)
                 for sr in out.scheduled if sr.samples]
         rows = [(rid, m) for rid, m in rows if m is not None]
-        if rows:
-            mask = self.processor.grammars().fill([m for _, m in rows])
-            out.grammar_bitmask = {rid: mask[i] for i, (rid, _) in enumerate(rows)}
+        if not rows:
+            return 0.0
+        fill_start = time.perf_counter()  # not self.clock: a simulated clock stands still
+        mask = self.processor.grammars().fill([m for _, m in rows])
+        out.grammar_bitmask = {rid: mask[i] for i, (rid, _) in enumerate(rows)}
+        return time.perf_counter() - fill_start
 
     def _process(
         self, req: Request, now: float, logprobs: list[tuple[int, float]] | None
@@ -298,6 +312,7 @@ class LLMEngine:
         if finished:
             m.finished_time = now
             del self._states[req.request_id]
+            self._finished.append(req.request_id)
         elif req.sampling_params.output_kind is RequestOutputKind.FINAL_ONLY:
             return None
         completion = CompletionOutput(

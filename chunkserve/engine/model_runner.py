@@ -173,7 +173,8 @@ class ModelRunner:
         logprobs = {}
         if result.logprobs is not None:
             logprobs = {rid: lp for rid, lp in zip(ids, result.logprobs) if lp}
-        return RunnerOutput(dict(zip(ids, result.token_ids)), logprobs, prompt_logprobs)
+        return RunnerOutput(dict(zip(ids, result.token_ids)), logprobs, prompt_logprobs,
+                            result.grammar_time)
 
     # Rows of full-vocab logits computed at once for prompt logprobs: bounds a long chunk's memory.
     PROMPT_LOGPROBS_ROWS = 512

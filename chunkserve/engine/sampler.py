@@ -29,6 +29,7 @@ they are (no copy).
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -65,6 +66,8 @@ class SamplerOutput:
     # (token, logprob) pairs of the raw log-softmax. Rows that did not ask get [].
     # None when no row in the batch asked.
     logprobs: list[list[tuple[int, float]]] | None
+    # Seconds spent applying grammar masks (step 1b), for the step trace; 0 without any.
+    grammar_time: float = 0.0
 
 
 class Sampler:
@@ -72,7 +75,8 @@ class Sampler:
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(rows)} rows")
         raw = logits
-        logits = process_logits(logits, rows)
+        logits, grammar_time = _apply_grammar(logits, rows)
+        logits = _apply_row_rules(logits, rows, owned=logits is not raw)
 
         greedy = [i for i, r in enumerate(rows) if r.params.greedy]
         random = [i for i, r in enumerate(rows) if not r.params.greedy]
@@ -87,7 +91,8 @@ class Sampler:
             token_ids[random] = _draw(probs, sub_rows)
 
         ids = token_ids.tolist()
-        return SamplerOutput(token_ids=ids, logprobs=_gather_logprobs(raw, rows, ids))
+        return SamplerOutput(token_ids=ids, logprobs=_gather_logprobs(raw, rows, ids),
+                             grammar_time=grammar_time)
 
 
 def process_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -97,26 +102,41 @@ def process_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
     Returns the caller's tensor itself when no row needs any of them, else a new tensor (the
     first step that changes something copies; the later ones write into that copy).
     """
-    processed = _apply_grammar(logits, rows)
-    processed = _apply_min_tokens(processed, rows, owned=processed is not logits)
-    processed = _apply_logit_bias(processed, rows, owned=processed is not logits)
-    return _apply_penalties(processed, rows, owned=processed is not logits)
+    processed, _ = _apply_grammar(logits, rows)
+    return _apply_row_rules(processed, rows, owned=processed is not logits)
 
 
-def _apply_grammar(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """-inf wherever a structured row's grammar forbids the token; copies only when needed."""
-    masked = [(i, r.allowed) for i, r in enumerate(rows) if r.allowed is not None]
+def _apply_row_rules(logits: torch.Tensor, rows: list[SamplingRow],
+                     owned: bool) -> torch.Tensor:
+    """Steps 2-4: min_tokens mask, logit_bias, penalties; in place only when `owned`."""
+    processed = _apply_min_tokens(logits, rows, owned)
+    processed = _apply_logit_bias(processed, rows, owned=owned or processed is not logits)
+    return _apply_penalties(processed, rows, owned=owned or processed is not logits)
+
+
+def _apply_grammar(logits: torch.Tensor, rows: list[SamplingRow]
+                   ) -> tuple[torch.Tensor, float]:
+    """A copy of `logits` with -inf wherever a structured row's grammar forbids the token (the
+    caller's tensor when no row has a mask), and the seconds that took (the step trace's
+    grammar_mask_time; nothing is timed without a masked row).
+
+    The bits of every row are unpacked by numpy at once and applied by one torch op: an op
+    per row costs a thread-pool wake-up each, 7 ms apiece on a 2-core host with a neighbour."""
+    masked = [i for i, r in enumerate(rows) if r.allowed is not None]
     if not masked:
-        return logits
-    out = logits.clone()
-    vocab = out.shape[1]
-    for i, words in masked:
-        bits = np.unpackbits(np.ascontiguousarray(words).view(np.uint8), bitorder="little")
-        allowed = torch.zeros(vocab, dtype=torch.bool)
-        n = min(vocab, bits.shape[0])
-        allowed[:n] = torch.from_numpy(bits[:n].astype(bool))
-        out[i, ~allowed.to(out.device)] = float("-inf")
-    return out
+        return logits, 0.0
+    start = time.perf_counter()
+    words = np.stack([np.ascontiguousarray(rows[i].allowed, dtype=np.int32) for i in masked])
+    # Inverted before unpacking: a set bit is a forbidden token.
+    forbidden_bits = np.unpackbits((~words).view(np.uint8), axis=1, bitorder="little")
+    vocab = logits.shape[1]
+    n = min(vocab, forbidden_bits.shape[1])
+    forbidden = np.zeros((len(rows), vocab), dtype=bool)
+    forbidden[masked, n:] = True  # logits past the mask's vocabulary are never allowed
+    forbidden[masked, :n] = forbidden_bits[:, :n]
+    # where(), not masked_fill: the same values, a third faster on this CPU at 32 rows.
+    out = torch.where(torch.from_numpy(forbidden).to(logits.device), float("-inf"), logits)
+    return out, time.perf_counter() - start
 
 
 def _apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow],

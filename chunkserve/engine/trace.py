@@ -50,19 +50,44 @@ class StepRecord:
     predicted_duration: float | None = None
     step_model_error: float | None = None
     step_model_coefficients: dict[str, float] | None = None
+    # Added by issue 31 (structured outputs): the rows whose sample this step was constrained
+    # by a grammar mask, and the seconds their masks cost: the engine filling them (llguidance)
+    # plus the sampler applying them to the logits. Host time: on a GPU the apply's kernels are
+    # queued, not waited for. 0 on steps without such a row, and in the simulator.
+    num_grammar_rows: int = 0
+    grammar_mask_time: float = 0.0
+    # Added by issue 32 (the timeline, engine/timeline.py): the requests whose state changed in
+    # this step. [request_id, arrival time, prompt tokens] of those added since the previous
+    # step; those that left the waiting queue (admitted, or resumed after a preemption); the
+    # prefills whose chunk reached the end of their sequence, so they sampled a token (their
+    # first, unless resuming after a recompute); those preempted; those that finished (or were
+    # aborted since the previous step).
+    arrived_requests: list[list] = field(default_factory=list)
+    admitted_requests: list[str] = field(default_factory=list)
+    sampled_prefills: list[str] = field(default_factory=list)
+    preempted_requests: list[str] = field(default_factory=list)
+    finished_requests: list[str] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
         return self.num_prefill_tokens + self.num_decode_tokens
 
 
-def step_record(step: int, start: float, duration: float, out: SchedulerOutput) -> StepRecord:
-    """The record of one step from what its schedule() decided (shared by engine and sim)."""
+def step_record(step: int, start: float, duration: float, out: SchedulerOutput,
+                grammar_mask_time: float = 0.0, arrived: list[list] | None = None,
+                finished: list[str] | None = None) -> StepRecord:
+    """The record of one step from what its schedule() decided (shared by engine and sim);
+    `grammar_mask_time` is what the step's grammar masks cost, `arrived` and `finished` the
+    requests added since the previous step and finished in this one (StepRecord)."""
     stats = out.kv_stats
     assert stats is not None, "schedule() always fills kv_stats"
     # One pass: a simulated run makes hundreds of thousands of these records.
-    prefills = [[s.request.request_id, s.num_new_tokens, s.start] for s in out.scheduled
-                if not s.is_decode]
+    prefills, sampled = [], []
+    for s in out.scheduled:
+        if not s.is_decode:
+            prefills.append([s.request.request_id, s.num_new_tokens, s.start])
+            if s.samples:
+                sampled.append(s.request.request_id)
     num_decodes = len(out.scheduled) - len(prefills)
     return StepRecord(
         step=step,
@@ -84,34 +109,46 @@ def step_record(step: int, start: float, duration: float, out: SchedulerOutput) 
         prefix_cache_hit_rate=out.prefix_cache_stats.hit_rate if out.prefix_cache_stats else 0.0,
         token_budget=out.token_budget,
         prefill_requests=prefills,
+        num_grammar_rows=len(out.grammar_bitmask),
+        grammar_mask_time=grammar_mask_time,
+        arrived_requests=arrived or [],
+        admitted_requests=list(out.admitted_req_ids),
+        sampled_prefills=sampled,
+        preempted_requests=list(out.preempted_req_ids),
+        finished_requests=finished or [],
     )
 
 
-class StepTrace:
-    """Writes every step's record to `--trace-file`. Nothing is kept in memory: each step's
-    record comes back in its StepResult, and a caller that wants a history keeps its own."""
-
-    def __init__(self, path: str | None = None) -> None:
-        self._file: IO[str] | None = open(path, "w", buffering=1) if path else None
-
-    def add(self, record: StepRecord) -> None:
-        if self._file is not None:
-            self._file.write(_line(record))
-
-    def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+TRACE_FORMATS = ("jsonl", "perfetto")
 
 
-def _line(record: StepRecord) -> str:
+def trace_format_of(path: str, trace_format: str | None = None) -> str:
+    """`--trace-format`, or by the file's name: `.json` (`.perfetto.json`) is a Perfetto
+    timeline (engine/timeline.py), anything else JSON lines."""
+    if trace_format is not None:
+        if trace_format not in TRACE_FORMATS:
+            raise ValueError(f"unknown trace format {trace_format!r}: choose "
+                             f"{' or '.join(TRACE_FORMATS)}")
+        return trace_format
+    return "perfetto" if path.endswith(".json") else "jsonl"
+
+
+def open_for_writing(path: str, what: str = "trace file") -> IO[str]:
+    try:
+        return open(path, "w", buffering=1)
+    except OSError as e:
+        raise OSError(f"cannot write the {what} {path!r}: {e.strerror}") from None
+
+
+def record_line(record: StepRecord) -> str:
+    """One record as its JSON line (the JSONL trace's format)."""
     return json.dumps(asdict(record)) + "\n"
 
 
 def write_trace(path: str, records: list[StepRecord]) -> None:
     with (gzip.open(path, "wt") if path.endswith(".gz") else open(path, "w")) as f:
         for record in records:
-            f.write(_line(record))
+            f.write(record_line(record))
 
 
 _FIELDS = {f.name for f in fields(StepRecord)}

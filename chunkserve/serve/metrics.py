@@ -198,6 +198,13 @@ class ServerMetrics:
             "chunkserve:step_model_coefficient",
             "The step-time model's fitted seconds per unit of each cost-model term.",
             ["model_name", "engine", "term"], registry=self.registry)
+        # Structured outputs (the trace's num_grammar_rows, grammar_mask_time): vLLM exports
+        # no such series, so chunkserve's prefix with vLLM's unit and _total conventions.
+        self._grammar_rows = self._counter(
+            "chunkserve:grammar_masked_rows", "Sampled rows constrained by a grammar mask.")
+        self._grammar_seconds = self._counter(
+            "chunkserve:grammar_mask_seconds",
+            "Time filling grammar masks and applying them to the logits.")
         self._engines: dict[int, _EngineGauges] = {}
 
     def _make_rejected_metrics(self) -> None:
@@ -258,6 +265,9 @@ class ServerMetrics:
         if record.prefix_cache_queries:
             self._prefix_queries.inc(record.prefix_cache_queries)
             self._prefix_hits.inc(record.prefix_cache_hits)
+        if record.num_grammar_rows:
+            self._grammar_rows.inc(record.num_grammar_rows)
+            self._grammar_seconds.inc(record.grammar_mask_time)
         gauges = self._engine(index)
         if record.token_budget is not None:
             gauges.token_budget.set(record.token_budget)
