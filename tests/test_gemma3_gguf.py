@@ -4,7 +4,8 @@ transformers' own reading of the same file; its SentencePiece tokenizer against 
 and a transcription of llama.cpp's; and the errors a user without the packages sees.
 
 Every model test is one short prompt (< 64 tokens) on the CPU in float32; the file is parsed once
-per module (chunkserve.gguf_file caches the reader) and transformers parses it for itself."""
+per module (chunkserve.gguf_file caches the reader), the model loaded (dequantized) once per
+module, and transformers parses and dequantizes it for itself, once."""
 from __future__ import annotations
 
 import dataclasses
@@ -50,9 +51,11 @@ def gemma_path() -> str:
 
 @pytest.fixture(scope="module")
 def gemma(gemma_path: str) -> LoadedModel:
-    # Dense float32 weights: the dequantized GGUF values, as transformers holds them.
+    """Dense float32 weights: the dequantized GGUF values, as transformers holds them; on the
+    C attention kernels, with a context of several windows (512 tokens each). One load for
+    every test of the module (tests/test_gemma3.py checks the `torch` backend's logits too)."""
     return load_model(gemma_path, "float32", device="cpu", quantization="none",
-                      attention_backend="torch", max_model_len=512)
+                      attention_backend="cpu", max_model_len=1024)
 
 
 @pytest.fixture(scope="module")
@@ -68,18 +71,23 @@ def hf_gemma(gemma_path: str) -> Any:
     defaults for what the file does not store (layer pattern, local RoPE base, softmax scale),
     its dequantization and its norm-offset handling; nothing of ours is shared."""
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    from transformers.initialization import no_init_weights
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    parsed = load_gguf_checkpoint(gemma_path, return_tensors=False)["config"]
+    # The skeleton only names the tensors (GGUF -> HF names): google/gemma-3-270m's
+    # config.json gives its layer count, so the file is parsed once (a parse of its 262k-piece
+    # vocabulary takes seconds); the strict load below checks every name matched.
+    with torch.device("meta"):
+        skeleton = Gemma3ForCausalLM(Gemma3TextConfig(**model_preset("gemma-3-270m")))
+    checkpoint = load_gguf_checkpoint(gemma_path, return_tensors=True, model_to_load=skeleton,
+                                      torch_dtype=torch.float32)
+    parsed, tensors = checkpoint["config"], checkpoint["tensors"]
     keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
             "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
             "rope_theta", "max_position_embeddings", "sliding_window")
     config = Gemma3TextConfig(**{k: parsed[k] for k in keys}, tie_word_embeddings=True)
-    with torch.device("meta"):
-        skeleton = Gemma3ForCausalLM(config)
-    tensors = load_gguf_checkpoint(gemma_path, return_tensors=True, model_to_load=skeleton,
-                                   torch_dtype=torch.float32)["tensors"]
-    model = Gemma3ForCausalLM(config)
+    with no_init_weights():  # every weight is loaded next: no random init to overwrite
+        model = Gemma3ForCausalLM(config)
     missing, unexpected = model.load_state_dict(tensors, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}  # tied to the embedding
     model.tie_weights()
@@ -340,29 +348,22 @@ def test_file_has_no_chat_template_and_gemma_turns_tokenize(gemma: LoadedModel) 
 
 # --- the sliding windows on the real model -----------------------------------------------------
 
-@pytest.fixture(scope="module")
-def gemma_long(gemma_path: str) -> LoadedModel:
-    """A context of several windows (512 tokens each), float32 on the C attention kernels."""
-    return load_model(gemma_path, "float32", device="cpu", quantization="none",
-                      attention_backend="cpu", max_model_len=1024)
-
-
 def test_greedy_continuations_identical_across_budgets_and_prefix_caching(
-        gemma_long: LoadedModel) -> None:
+        gemma: LoadedModel) -> None:
     """Two prompts longer than the window sharing a 560-token prefix, so the second one's
     prefix-cache hit must find the sliding groups' last-window blocks: the same greedy tokens
     for budgets below, at and above the window, with caching on and off, and while the
     sliding groups hold at most ceil((511 + budget) / 16) + 1 blocks of a request."""
-    tokenizer = gemma_long.tokenizer
+    tokenizer = gemma.tokenizer
     text = " ".join(f"Step {i}: the scheduler carries the decodes first, then a chunk." for i in
                     range(60))
     shared = tokenizer.encode(text)[:560]
     prompts = [shared + tokenizer.encode(" So the answer is", add_special_tokens=False),
                shared + tokenizer.encode(" In short, chunked prefill", add_special_tokens=False)]
-    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     results = {}
     for budget, caching in ((1024, False), (128, True), (512, True), (1024, True)):
-        llm = LLM(loaded=gemma_long, model=gemma_long.path, dtype="float32",
+        llm = LLM(loaded=gemma, model=gemma.path, dtype="float32",
                   max_num_batched_tokens=budget, enable_prefix_caching=caching)
         kv = llm.engine.scheduler.kv
         assert kv.windows.count(512) == 5
@@ -376,8 +377,8 @@ def test_greedy_continuations_identical_across_budgets_and_prefix_caching(
     assert all(tokens == first for tokens in results.values()), results
 
 
-def test_a_prompt_longer_than_the_context_is_refused(gemma_long: LoadedModel) -> None:
-    llm = LLM(loaded=gemma_long, model=gemma_long.path, dtype="float32",
+def test_a_prompt_longer_than_the_context_is_refused(gemma: LoadedModel) -> None:
+    llm = LLM(loaded=gemma, model=gemma.path, dtype="float32",
               max_num_batched_tokens=256)
     with pytest.raises(ValueError, match="max_model_len|context"):
         llm.generate([[2] + [1000] * 1100], SamplingParams(max_tokens=1))

@@ -96,18 +96,28 @@ def fp32(smollm2_path: str) -> LoadedModel:
     return load_model(smollm2_path, "float32", max_model_len=512, quantization="none")
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.fixture(scope="module")
+def fp32_logits(fp32: LoadedModel) -> list[tuple[list[int], torch.Tensor]]:
+    """Each prompt's ids and float32 logits: the reference of every dtype and chunk below."""
+    return [(ids, full_logits(fp32.model, ids))
+            for ids in (fp32.tokenizer.encode(text) for text in PROMPTS)]
+
+
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def int4(request: pytest.FixtureRequest, smollm2_path: str) -> LoadedModel:
+    """One int4 load per activation dtype, shared by both chunkings (pytest runs a dtype's
+    tests together and drops its model before loading the next)."""
+    return load_model(smollm2_path, request.param, max_model_len=512, quantization="int4")
+
+
 @pytest.mark.parametrize("chunk", [None, 4])  # one step (dense copy), 4-row steps (kernel)
-def test_smollm2_int4_logits_stay_close_to_float32(fp32, smollm2_path, dtype, chunk):
+def test_smollm2_int4_logits_stay_close_to_float32(fp32_logits, int4, chunk):
     """SmolLM2's linears are Q4_1: int4 holds them exactly (the C kernel's float16 group scales
     too; PyTorch's kernel rounds them to bf16), so the logits move less than with int8
     (measured max |d| 0.49-1.02 vs int8's 1.35-2.25; C kernel 0.61-0.84)."""
-    int4 = load_model(smollm2_path, dtype, max_model_len=512, quantization="int4")
     assert isinstance(int4.model.layers[0].qkv, Int4Linear)
     assert isinstance(int4.model.lm_head, Int8Linear)  # the Q8_0 embedding is not 4-bit
-    for text in PROMPTS:
-        ids = fp32.tokenizer.encode(text)
-        ref = full_logits(fp32.model, ids)
+    for ids, ref in fp32_logits:
         out = full_logits(int4.model, ids, chunk=chunk)
         assert (out - ref).abs().max().item() <= 1.3
         assert (out.argmax(-1) == ref.argmax(-1)).float().mean().item() >= 0.9

@@ -448,8 +448,10 @@ def test_context_length_errors(tiny):
                  f"'max_tokens' or 'max_completion_tokens' is too large: {MAX_LEN}. This "
                  f"model's maximum context length is {MAX_LEN} tokens and your request has "
                  f"{p} input tokens")
-    # At the limit exactly, it runs: max_tokens = max_model_len - prompt.
-    r = tiny.post("/v1/completions", {"prompt": prompt, "max_tokens": MAX_LEN - 10,
+    # At the limit exactly, it runs: max_tokens = max_model_len - prompt (a long prompt, so
+    # that reaching the limit takes a few decode steps, not hundreds).
+    long_prompt = [300 + i for i in range(MAX_LEN - 4)]
+    r = tiny.post("/v1/completions", {"prompt": long_prompt, "max_tokens": 4,
                                       "ignore_eos": True})
     assert r.status_code == 200 and r.json()["usage"]["total_tokens"] == MAX_LEN
 

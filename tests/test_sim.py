@@ -311,17 +311,36 @@ def test_held_out_model_and_speed_factor():
     assert run_costs(runs, "profile", truth) == [truth, truth]
 
 
+def _validate_args(tmp_path, profile: str, *extra: str) -> list[str]:
+    return ["sim", "--validate", "--hardware", profile,
+            "--dataset-name", "random", "--random-input-len", "24", "--random-output-len", "4",
+            "--num-prompts", "3", "--request-rate", "50", "--chunk-sizes", "none,16",
+            "--out", str(tmp_path / "val"), *extra]
+
+
 def _validate(tmp_path, profile: str, *extra: str) -> subprocess.CompletedProcess:
+    """`chunkserve sim --validate` as a user runs it: its own process (the real engine runs)."""
     return subprocess.run(
-        [sys.executable, "-m", "chunkserve.cli", "sim", "--validate", "--hardware", profile,
-         "--dataset-name", "random", "--random-input-len", "24", "--random-output-len", "4",
-         "--num-prompts", "3", "--request-rate", "50", "--chunk-sizes", "none,16",
-         "--out", str(tmp_path / "val"), *extra],
+        [sys.executable, "-m", "chunkserve.cli", *_validate_args(tmp_path, profile, *extra)],
         capture_output=True, text=True, timeout=300,
     )
 
 
-def test_validate_runs_engine_and_simulator_on_the_same_workloads(tmp_path, tiny_model_dir):
+def _validate_here(capsys, tmp_path, profile: str, *extra: str) -> subprocess.CompletedProcess:
+    """The same command in this process, for what runs no engine (bad input, saved runs): no
+    interpreter start and imports of its own. An exception the command line does not turn
+    into its one-line error (a traceback, as a process) fails the test where it is raised."""
+    from chunkserve.cli import main
+
+    capsys.readouterr()  # only this command's output
+    args = _validate_args(tmp_path, profile, *extra)
+    code = main(args)
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, out.out, out.err)
+
+
+def test_validate_runs_engine_and_simulator_on_the_same_workloads(tmp_path, tiny_model_dir,
+                                                                   capsys):
     profile = tmp_path / "profile.json"
     profile.write_text(json.dumps({
         "kind": "linear", "name": "test", "model": tiny_model_dir, "dtype": "float32",
@@ -357,13 +376,13 @@ def test_validate_runs_engine_and_simulator_on_the_same_workloads(tmp_path, tiny
     runs = tmp_path / "val" / "real_runs.json.gz"
     assert runs.exists()
     again = tmp_path / "again"
-    r = _validate(again, str(profile), "--real-runs", str(runs))
+    r = _validate_here(capsys, again, str(profile), "--real-runs", str(runs))
     assert r.returncode == 0, r.stderr
     assert "repeat " not in r.stdout
     assert json.loads((again / "val" / "validation.json").read_text()) == report
     slower = tmp_path / "slower.json"
     slower.write_text(profile.read_text().replace('"step": 0.002', '"step": 0.02'))
-    r = _validate(again, str(slower), "--real-runs", str(runs))
+    r = _validate_here(capsys, again, str(slower), "--real-runs", str(runs))
     assert r.returncode == 0, r.stderr
     rescored = json.loads((again / "val" / "validation.json").read_text())
     for old, new in zip(rows, rescored["calibrations"]["profile"]):
@@ -373,7 +392,7 @@ def test_validate_runs_engine_and_simulator_on_the_same_workloads(tmp_path, tiny
     assert rescored["calibrations"]["held_out"] == report["calibrations"]["held_out"]
 
     # Several files of saved runs pool into one report (more requests behind each percentile)...
-    r = _validate(again, str(profile), "--real-runs", str(runs), str(runs))
+    r = _validate_here(capsys, again, str(profile), "--real-runs", str(runs), str(runs))
     assert r.returncode == 0, r.stderr
     pooled = json.loads((again / "val" / "validation.json").read_text())
     assert [row["num_requests"] for row in pooled["calibrations"]["profile"]] == [12, 12]
@@ -384,26 +403,28 @@ def test_validate_runs_engine_and_simulator_on_the_same_workloads(tmp_path, tiny
     other = tmp_path / "other.json.gz"
     with gzip.open(other, "wt") as f:
         json.dump(data, f)
-    r = _validate(again, str(profile), "--real-runs", str(runs), str(other))
+    r = _validate_here(capsys, again, str(profile), "--real-runs", str(runs), str(other))
     assert r.returncode == 2 and "different num_kv_blocks" in r.stderr
 
 
-def test_validate_rejects_bad_input(tmp_path):
-    r = _validate(tmp_path, "a100-80gb")
+def test_validate_rejects_bad_input(tmp_path, capsys):
+    r = _validate_here(capsys, tmp_path, "a100-80gb")
     assert r.returncode == 2 and "profile file" in r.stderr and "Traceback" not in r.stderr
     profile = tmp_path / "p.json"
     profile.write_text(json.dumps({"kind": "linear", "coefficients": {}, "name": "x",
                                    "model": "smollm2-135m", "dtype": "float32",
                                    "num_kv_blocks": 8}))
-    r = _validate(tmp_path, str(profile), "--repeats", "0")
+    r = _validate_here(capsys, tmp_path, str(profile), "--repeats", "0")
     assert r.returncode == 2 and "--repeats" in r.stderr
     (tmp_path / "junk.json.gz").write_text("not gzip")
-    r = _validate(tmp_path, str(profile), "--real-runs", str(tmp_path / "junk.json.gz"))
+    r = _validate_here(capsys, tmp_path, str(profile), "--real-runs",
+                       str(tmp_path / "junk.json.gz"))
     assert r.returncode == 2 and "not a file of real runs" in r.stderr
     assert "Traceback" not in r.stderr
     with gzip.open(tmp_path / "empty.json.gz", "wt") as f:
         json.dump({"runs": []}, f)
-    r = _validate(tmp_path, str(profile), "--real-runs", str(tmp_path / "empty.json.gz"))
+    r = _validate_here(capsys, tmp_path, str(profile), "--real-runs",
+                       str(tmp_path / "empty.json.gz"))
     assert r.returncode == 2 and "missing max_model_len" in r.stderr
 
 
