@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import collections
 from collections.abc import AsyncIterator
+from dataclasses import fields
 from typing import Any
 
 from chunkserve.engine.trace import StepRecord
@@ -23,10 +24,13 @@ INTERVAL_S = 0.05  # 20 summaries a second at most
 # ~10 s of steps at 1,000 steps a second.
 MAX_PENDING = 10_000
 # The request events a record carries, by the name the summary gives them. The step records'
-# per-request lists (docs/trace.md); a field this version's StepRecord lacks is left out.
+# per-request lists (docs/trace.md).
 EVENT_FIELDS = {"arrived": "arrived_requests", "admitted": "admitted_requests",
                 "chunks": "prefill_requests", "sampled": "sampled_prefills",
                 "preempted": "preempted_requests", "finished": "finished_requests"}
+# Those this version's records carry (the issue-32 timeline fields come with that work).
+_RECORD_FIELDS = {f.name for f in fields(StepRecord)}
+RECORD_EVENTS = {name: field for name, field in EVENT_FIELDS.items() if field in _RECORD_FIELDS}
 Summary = dict[str, Any]
 
 
@@ -38,8 +42,8 @@ def step_summary(record: StepRecord, engine: int) -> dict[str, Any]:
         "duration": record.duration, "prefill_tokens": record.num_prefill_tokens,
         "decode_tokens": record.num_decode_tokens, "budget": record.token_budget,
         "preemptions": record.num_preemptions}
-    for name, field in EVENT_FIELDS.items():
-        events = getattr(record, field, None)
+    for name, field in RECORD_EVENTS.items():
+        events = getattr(record, field)
         if events:
             step[name] = events
     return step
