@@ -89,7 +89,7 @@ function onSummary(summary) {
       if (!r.done && view.clock.engine - r.last > 1) release(r, r.last);
     }
   }
-  $("kv").textContent = (summary.kv_usage * 100).toFixed(1) + "%";
+  $("kv").textContent = (summary.kv_usage * 100).toFixed(2) + "%";
   $("kv-meter").value = summary.kv_usage;
   $("waiting").textContent = summary.waiting;
   $("running").textContent = summary.running;
@@ -136,7 +136,8 @@ function drawSteps(now) {
   top *= 1.1;
   const x = (t) => W - (now - t) / WINDOW_S * W, y = (tokens) => H - tokens / top * H;
   for (const s of view.steps) {
-    const x0 = x(s.start), w = Math.max(1, s.duration / WINDOW_S * W);
+    // A pixel's gap between wide bars, so that back-to-back steps read as separate steps.
+    const x0 = x(s.start), full = s.duration / WINDOW_S * W, w = full >= 3 ? full - 1 : Math.max(1, full);
     g.fillStyle = COLORS.decode;
     g.fillRect(x0, y(s.decode_tokens), w, H - y(s.decode_tokens));
     g.fillStyle = COLORS.prefill;
