@@ -131,3 +131,31 @@ def test_a_long_prompt_is_chunked_while_a_stream_keeps_decoding(page, server):
     assert len({s[0] for s in steps}) == len(steps)  # separate steps
     assert all(decode >= 1 for _, decode, _ in steps), steps  # the stream kept producing
     server.wait_for(lambda m: m.idle, timeout=10)
+
+
+def test_lanes_follow_each_request_in_the_lowest_free_slot(page):
+    # The events the records will carry with the timeline's fields, fed to the page's own
+    # handler: lanes as the trace's timeline export draws them.
+    lanes = page.evaluate("""() => {
+        const step = (n, extra) => ({step: n, engine: 0, start: 100 + n * 0.01, duration: 0.01,
+            prefill_tokens: 0, decode_tokens: 0, budget: 64, preemptions: 0, ...extra});
+        const summary = (steps) => ({steps, kv_usage: 0, waiting: 0, running: 0, engine: 0});
+        onSummary({hello: {events: ["arrived", "admitted", "chunks", "sampled", "preempted",
+                                    "finished"], interval_s: 0.05}});
+        onSummary(summary([
+            step(0, {arrived: [["t-a", 99.9, 100], ["t-b", 99.95, 50]], admitted: ["t-a"],
+                     chunks: [["t-a", 64, 0]]}),
+            step(1, {admitted: ["t-b"], chunks: [["t-a", 36, 64], ["t-b", 50, 0]],
+                     sampled: ["t-a", "t-b"]}),
+            step(2, {finished: ["t-a"]})]));
+        onSummary(summary([step(3, {arrived: [["t-c", 100.025, 10]], preempted: ["t-b"],
+                                    preemptions: 1})]));
+        const lane = (rid) => { const r = view.requests.get(rid);
+            return {slot: r.slot, phase: r.phase, done: r.done, spans: r.spans.map((s) => s[0])}; };
+        return {a: lane("t-a"), b: lane("t-b"), c: lane("t-c")};
+    }""")
+    a, b, c = lanes["a"], lanes["b"], lanes["c"]
+    assert a["spans"] == ["waiting", "prefill", "prefill", "decode"] and a["done"]
+    assert c["slot"] == a["slot"] != b["slot"]  # a's slot, freed at its end, is the lowest
+    assert b["spans"] == ["waiting", "prefill", "decode", "preempted"] and b["phase"] == "waiting"
+    assert c["phase"] == "waiting" and not c["done"]
