@@ -126,8 +126,16 @@ function engineNow() {
   return view.clock ? view.clock.engine + (performance.now() - view.clock.wall) / 1000 : 0;
 }
 
+// The canvas at its displayed size, so that nothing is drawn stretched (text stays sharp).
+function fit(canvas, height) {
+  const width = canvas.clientWidth || canvas.width;
+  if (canvas.width !== width) canvas.width = width;
+  if (canvas.height !== height) canvas.height = height;
+  return canvas.getContext("2d");
+}
+
 function drawSteps(now) {
-  const canvas = $("steps-canvas"), g = canvas.getContext("2d");
+  const canvas = $("steps-canvas"), g = fit(canvas, canvas.height);
   const W = canvas.width, H = canvas.height;
   g.clearRect(0, 0, W, H);
   while (view.steps.length && view.steps[0].start + view.steps[0].duration < now - WINDOW_S) view.steps.shift();
@@ -153,9 +161,8 @@ function drawSteps(now) {
 }
 
 function drawLanes(now) {
-  const canvas = $("lanes-canvas"), g = canvas.getContext("2d");
-  const height = Math.max(8, view.slots.length) * LANE_H;
-  if (canvas.height !== height) canvas.height = height;
+  const canvas = $("lanes-canvas");
+  const g = fit(canvas, Math.max(8, view.slots.length) * LANE_H), height = canvas.height;
   const W = canvas.width;
   g.clearRect(0, 0, W, height);
   const x = (t) => W - (now - t) / WINDOW_S * W;
