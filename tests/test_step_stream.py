@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 
@@ -76,3 +77,42 @@ def test_stream_costs_nothing_unwatched_and_ends_its_subscription():
     assert [s["step"] for s in summary["steps"]] == [1] and summary["running"] == 3
     assert stream.subscribers == 0
 
+
+
+@pytest.mark.parametrize("spec_version", ["2.3", "2.4"])
+def test_a_page_that_goes_away_stops_being_a_subscriber(spec_version):
+    # 2.3 (uvicorn's): Starlette watches for the disconnect message; 2.4: the write fails, and
+    # Starlette raises ClientDisconnect.
+    from starlette.requests import ClientDisconnect
+
+    from chunkserve.serve.web_endpoints import _events, _StepsResponse
+
+    stream = StepStream(interval=0.01)
+    sent: list[dict] = []
+    gone = asyncio.Event()
+
+    async def receive() -> dict:
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        if gone.is_set() and spec_version == "2.4":
+            raise OSError("connection reset")
+        sent.append(message)
+
+    async def run() -> None:
+        response = _StepsResponse(_events(stream), media_type="text/event-stream")
+        scope = {"type": "http", "asgi": {"spec_version": spec_version}}
+        task = asyncio.ensure_future(response(scope, receive, send))
+        while stream.subscribers == 0:
+            await asyncio.sleep(0.001)
+        stream.observe(record(1, decode=1))
+        while not any(b"steps" in m.get("body", b"") for m in sent):
+            await asyncio.sleep(0.001)
+        gone.set()
+        stream.observe(record(2, decode=1))  # the next write finds the client gone
+        with contextlib.suppress(ClientDisconnect):
+            await asyncio.wait_for(task, 2)
+
+    asyncio.run(run())
+    assert stream.subscribers == 0

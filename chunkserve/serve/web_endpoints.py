@@ -9,8 +9,10 @@ stream, which stay behind --api-key like every other endpoint.
 """
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
 from importlib import resources
+from typing import Any
 
 from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import Response, StreamingResponse
@@ -48,16 +50,28 @@ async def web_file(name: str) -> Response:
     return _file(name)
 
 
+class _StepsResponse(StreamingResponse):
+    """Closes its events however the response ends: a page that goes away stops being a
+    subscriber at once, not whenever its generator happens to be collected."""
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]
+
+
 @router.get("/engine/steps")
 async def engine_steps(raw: Request) -> StreamingResponse:
     stream: StepStream = raw.app.state.async_engine.step_stream
-    return StreamingResponse(_events(stream), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return _StepsResponse(_events(stream), media_type="text/event-stream",
+                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
 async def _events(stream: StepStream) -> AsyncIterator[str]:
     # First what the summaries will hold, at once: the page sees the stream open before the
     # engine has stepped, and knows whether its lanes can show waiting and decoding.
     yield sse({"hello": {"events": list(RECORD_EVENTS), "interval_s": INTERVAL_S}})
-    async for summary in stream.summaries():
-        yield sse(summary)
+    async with contextlib.aclosing(stream.summaries()) as summaries:
+        async for summary in summaries:
+            yield sse(summary)
