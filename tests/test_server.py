@@ -504,6 +504,9 @@ def test_api_key(tiny_model_dir):
         # Probes stay open, as in vLLM; everything else needs the key.
         for path in ("/health", "/metrics", "/version"):
             assert httpx.get(server.url + path, timeout=HTTP_TIMEOUT_S).status_code == 200
+        # The web page's static files too (they ask for the key); its step stream needs it.
+        assert httpx.get(server.url + "/", timeout=HTTP_TIMEOUT_S).status_code == 200
+        assert_error(httpx.get(server.url + "/engine/steps", timeout=HTTP_TIMEOUT_S), 401)
         for path, body in (("/tokenize", {"prompt": "Hi"}), ("/detokenize", {"tokens": [1]}),
                            ("/reset_prefix_cache", None)):
             r = httpx.post(server.url + path, json=body, timeout=HTTP_TIMEOUT_S)

@@ -26,6 +26,9 @@ from chunkserve.serve.openai_endpoints import router as openai_router
 from chunkserve.serve.profile_endpoints import router as profile_router
 from chunkserve.serve.protocol import DetokenizeRequest
 from chunkserve.serve.serving import ApiError, Serving, get_serving
+from chunkserve.serve.step_stream import StepStream
+from chunkserve.serve.web_endpoints import PAGE_PATHS
+from chunkserve.serve.web_endpoints import router as web_router
 
 log = logging.getLogger("chunkserve.server")
 DEFAULT_MAX_BODY_BYTES = 8 << 20  # 8 MiB: far above any prompt this server can hold
@@ -53,6 +56,7 @@ def build_app(
     enable_dev_endpoints: bool = False,
     tool_call_parser: str | None = None,
     profiler_dir: str | None = None,
+    web_ui: bool = True,
 ) -> FastAPI:
     """`engine`: one engine, or the clients of `--data-parallel-size` engine processes.
     `compute`: the thread that built `engine`, where its loop will run (engine_client.py).
@@ -61,7 +65,9 @@ def build_app(
     `tool_call_parser`: reads tool_choice "auto"'s calls (--enable-auto-tool-choice with
     --tool-call-parser); None refuses "auto".
     `profiler_dir` serves POST /start_profile and /stop_profile, which write each engine's
-    torch.profiler trace there (the clients given were built with the same directory)."""
+    torch.profiler trace there (the clients given were built with the same directory).
+    `web_ui` serves the chat page at / and its step stream (serve/web_endpoints.py); off
+    (`--no-web-ui`), both are 404s and no step is ever handed to a stream."""
     clients = (engine if isinstance(engine, Sequence)
                else [InProcessClient(engine, compute, profiler_dir=profiler_dir)])
     info = clients[0].info  # every engine of a data-parallel server has the same config
@@ -79,6 +85,9 @@ def build_app(
 
     app = FastAPI(title="chunkserve", version=__version__, lifespan=lifespan)
     open_paths = OPEN_PATHS - ({"/metrics"} if metrics_require_key else set())
+    if web_ui:
+        async_engine.step_stream = StepStream()
+        open_paths |= PAGE_PATHS  # the page's static files only (web_endpoints.py says why)
     app.add_middleware(EdgeMiddleware, max_body_bytes=max_body_bytes, api_key=api_key,
                        open_paths=open_paths)
     # The routers reach these through the request (serving.get_serving), never an import.
@@ -89,6 +98,8 @@ def build_app(
     _add_error_handlers(app)
     app.include_router(router)
     app.include_router(openai_router)
+    if web_ui:
+        app.include_router(web_router)
     if enable_dev_endpoints:
         app.include_router(cache_router)
     if profiler_dir is not None:

@@ -34,6 +34,7 @@ from chunkserve.serve.engine_loop import (
     StopProfile,
 )
 from chunkserve.serve.metrics import ServerMetrics
+from chunkserve.serve.step_stream import StepStream
 
 if TYPE_CHECKING:
     from chunkserve.engine.llm_engine import LLMEngine
@@ -105,6 +106,9 @@ class AsyncEngine:
         self.info: EngineInfo = self.clients[0].info
         self.processor: Processor = self.info.processor
         self.metrics = metrics
+        # The web page's live engine view (serve/step_stream.py): records go to it where the
+        # metrics get them; None when the web UI is off.
+        self.step_stream: StepStream | None = None
         self.router = router
         if router is None and len(self.clients) > 1:
             self.router = DPRouter(len(self.clients), self.info.block_size)
@@ -257,6 +261,9 @@ class AsyncEngine:
     # ---- events from the engine loops (any thread) ------------------------------------------
     def _handle(self, index: int, ev: LoopEvent) -> None:
         m = self.metrics
+        stream = self.step_stream
+        if stream is not None and ev.record is not None:
+            stream.observe(ev.record, index)
         if m is not None:
             if ev.record is not None:
                 m.observe_step(ev.record, index)

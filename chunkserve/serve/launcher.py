@@ -49,7 +49,8 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", default=os.environ.get("CHUNKSERVE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health, "
-                        "/version and /metrics (env CHUNKSERVE_API_KEY)")
+                        "/version, /metrics and the web page's static files, which ask for "
+                        "the key (env CHUNKSERVE_API_KEY)")
     s.add_argument("--metrics-require-key", action="store_true",
                    help="with --api-key, require the key on /metrics too")
     s.add_argument("--enable-dev-endpoints", action="store_true",
@@ -58,6 +59,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="serve POST /start_profile and /stop_profile, which write each "
                         "engine's torch.profiler trace (Chrome JSON) into DIR, created if "
                         f"missing (vLLM: {PROFILER_DIR_ENV}, used when this is not given)")
+    s.add_argument("--no-web-ui", dest="web_ui", action="store_false",
+                   help="do not serve the chat page at / nor its live step stream "
+                        "(/engine/steps): both answer 404")
     s.add_argument("--served-model-name", default=None,
                    help="the model id clients send and /v1/models lists (default: MODEL)")
     s.add_argument("--max-waiting-requests", type=int, default=None,
@@ -193,7 +197,7 @@ def run_server(args: argparse.Namespace) -> int:
                     enable_dev_endpoints=args.enable_dev_endpoints,
                     tool_call_parser=(args.tool_call_parser if args.enable_auto_tool_choice
                                       else None),
-                    profiler_dir=args.profiler_dir)
+                    profiler_dir=args.profiler_dir, web_ui=args.web_ui)
     limits = ConnectionLimits(args.header_timeout, args.body_timeout, args.limit_concurrency,
                               on_reject=app.state.metrics.count_rejected)
     _raise_open_files_limit(limits.limit_concurrency)
