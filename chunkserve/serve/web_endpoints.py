@@ -38,12 +38,14 @@ def _file(name: str) -> Response:
     return Response(body, media_type=WEB_FILES[name], headers=_HEADERS)
 
 
-@router.get("/")
+# The page's routes stay out of /openapi.json: they are not part of the API, and a client
+# generated from the schema (or a fuzzer) would wait forever on the endless step stream.
+@router.get("/", include_in_schema=False)
 async def page() -> Response:
     return _file("index.html")
 
 
-@router.get("/web/{name}")
+@router.get("/web/{name}", include_in_schema=False)
 async def web_file(name: str) -> Response:
     if name not in WEB_FILES:
         raise HTTPException(404, "Not Found")
@@ -61,7 +63,7 @@ class _StepsResponse(StreamingResponse):
             await self.body_iterator.aclose()  # type: ignore[attr-defined]
 
 
-@router.get("/engine/steps")
+@router.get("/engine/steps", include_in_schema=False)
 async def engine_steps(raw: Request) -> StreamingResponse:
     stream: StepStream = raw.app.state.async_engine.step_stream
     return _StepsResponse(_events(stream), media_type="text/event-stream",
