@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import collections
 from collections.abc import AsyncIterator
-from dataclasses import fields
 from typing import Any
 
 from chunkserve.engine.trace import StepRecord
@@ -23,14 +22,11 @@ INTERVAL_S = 0.05  # 20 summaries a second at most
 # A subscriber that stops reading keeps at most this many records (the oldest are dropped):
 # ~10 s of steps at 1,000 steps a second.
 MAX_PENDING = 10_000
-# The request events a record carries, by the name the summary gives them. The step records'
-# per-request lists (docs/trace.md).
-EVENT_FIELDS = {"arrived": "arrived_requests", "admitted": "admitted_requests",
+# The request events a record carries, by the name the summary gives them: the step records'
+# per-request lists (docs/trace.md), which the timeline export reads too.
+RECORD_EVENTS = {"arrived": "arrived_requests", "admitted": "admitted_requests",
                 "chunks": "prefill_requests", "sampled": "sampled_prefills",
                 "preempted": "preempted_requests", "finished": "finished_requests"}
-# Those this version's records carry (the issue-32 timeline fields come with that work).
-_RECORD_FIELDS = {f.name for f in fields(StepRecord)}
-RECORD_EVENTS = {name: field for name, field in EVENT_FIELDS.items() if field in _RECORD_FIELDS}
 Summary = dict[str, Any]
 
 

@@ -8,10 +8,9 @@ const COLORS = { decode: "#1e88e5", prefill: "#fb8c00", budget: "#e53935", waiti
                  preempted: "#e53935" };
 const view = {
   steps: [],              // step summaries on screen, oldest first
-  requests: new Map(),    // request id -> {slot, spans, phase, since, sampled, done, last}
+  requests: new Map(),    // request id -> {slot, spans, phase, since, sampled, done}
   slots: [],              // slot -> request id, or null when free
   clock: null,            // {engine, wall}: the latest step's end, and when it was received
-  lifecycle: true,        // whether the records carry arrivals and ends (the stream's hello)
   preemptions: 0,
 };
 
@@ -23,7 +22,7 @@ function request(rid, at) {
     let slot = view.slots.indexOf(null);
     if (slot < 0) { slot = view.slots.length; view.slots.push(null); }
     view.slots[slot] = rid;
-    r = { slot, spans: [], phase: "running", since: at, sampled: false, done: false, last: at };
+    r = { slot, spans: [], phase: "running", since: at, sampled: false, done: false };
     view.requests.set(rid, r);
   }
   return r;
@@ -31,7 +30,7 @@ function request(rid, at) {
 
 function phase(r, name, at) {  // ends the open span (waiting or decode) and opens `name`
   if (r.phase !== "running" && at > r.since) r.spans.push([r.phase, r.since, at]);
-  r.phase = name; r.since = at; r.last = at;
+  r.phase = name; r.since = at;
 }
 
 function release(r, at) {
@@ -57,7 +56,6 @@ function applyEvents(s) {
     chunked.add(rid);
     phase(r, "running", start);
     r.spans.push(["prefill", start, end]);
-    r.last = end;
   }
   for (const rid of s.admitted || []) {  // swapped back in after its first token: decodes at once
     const r = view.requests.get(rid);
@@ -75,7 +73,7 @@ function applyEvents(s) {
 
 // ---- the stream -------------------------------------------------------------------------------
 function onSummary(summary) {
-  if (summary.hello) { view.lifecycle = summary.hello.events.includes("finished"); return; }
+  if (summary.hello) return;
   for (const s of summary.steps) {
     view.steps.push(s);
     applyEvents(s);
@@ -83,19 +81,11 @@ function onSummary(summary) {
   }
   const last = summary.steps[summary.steps.length - 1];
   view.clock = { engine: last.start + last.duration, wall: performance.now() };
-  if (!view.lifecycle) {
-    // Without end events a lane is freed once its request has had no chunk for a second.
-    for (const r of view.requests.values()) {
-      if (!r.done && view.clock.engine - r.last > 1) release(r, r.last);
-    }
-  }
   $("kv").textContent = (summary.kv_usage * 100).toFixed(2) + "%";
   $("kv-meter").value = summary.kv_usage;
   $("waiting").textContent = summary.waiting;
   $("running").textContent = summary.running;
   $("preemptions").textContent = view.preemptions;
-  $("lanes-note").textContent = view.lifecycle ? "" :
-    "This server's step records carry prefill chunks only: lanes show chunks, not waiting or decoding.";
 }
 
 let streamController = null;
