@@ -24,17 +24,29 @@ PROMPTS = [
 ]
 
 
-KERNELS = ["torch"] + (["c"] if group_gemm.available() is not None else [])
+# The C group GEMMs this host runs: its own ("bf16" with AVX512_BF16, else "avx2") and the AVX2
+# build, which every x86-64-v3 CPU runs, so CI tests it on both kinds of host.
+C_KERNELS = {k.name: k for k in (group_gemm.available(), group_gemm.available("avx2")) if k}
+KERNELS = ["torch", *C_KERNELS]
 
 
 def on_kernel(make, kernel: str, monkeypatch):  # type: ignore[no-untyped-def]
-    """`make()`, an Int8Linear or Int4Linear, on PyTorch's kernel ("torch") or on the C group
-    GEMM ("c")."""
-    if kernel == "torch":
-        monkeypatch.setattr(group_gemm, "available", lambda: None)
+    """`make()`, an Int8Linear or Int4Linear, on PyTorch's kernel ("torch") or on a C group
+    GEMM ("bf16", "avx2")."""
+    monkeypatch.setattr(group_gemm, "available", lambda: C_KERNELS.get(kernel))
     lin = make()
-    assert isinstance(lin.kernel, group_gemm.GroupGemm) == (kernel == "c")
+    c = lin.kernel.kernel.name if isinstance(lin.kernel, group_gemm.GroupGemm) else "torch"
+    assert c == kernel
     return lin
+
+
+def int8_activations(x: torch.Tensor) -> torch.Tensor:
+    """x as the avx2 kernel multiplies it: int8 levels in groups of 32, scale max|x| / 127."""
+    rows, k = x.shape
+    groups = x.float().reshape(rows, k // 32, 32)
+    amax = groups.abs().amax(dim=-1, keepdim=True)
+    levels = torch.round(groups * torch.where(amax > 0, 127.0 / amax, torch.zeros(())))
+    return (levels * (amax / 127.0)).reshape(rows, k)
 
 
 def test_int8_weights_round_to_their_channel_scale(monkeypatch):
@@ -75,9 +87,9 @@ def test_int8_kernel_and_dequantized_paths_agree(kernel, rows, dtype, n, monkeyp
     torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
 
 
-@pytest.mark.skipif(group_gemm.available() is None, reason="the C group GEMM needs AVX512_BF16")
+@pytest.mark.skipif(not C_KERNELS, reason="the C group GEMM needs an x86-64 CPU with AVX2")
 def test_weights_beyond_float16_fall_back_to_pytorchs_kernels():
-    """The C kernel stores scales as float16: a group needing more range takes PyTorch's."""
+    """The C kernels store scales as float16: a group needing more range takes PyTorch's."""
     w = torch.randn(32, 64)
     w[3, :32] *= 1e8  # a scale of ~1e6 / 127: past float16's 65504
     assert isinstance(Int8Linear(w).kernel, TorchInt8)
@@ -85,17 +97,37 @@ def test_weights_beyond_float16_fall_back_to_pytorchs_kernels():
     assert isinstance(Int8Linear(torch.randn(32, 64)).kernel, group_gemm.GroupGemm)
 
 
-@pytest.mark.skipif(group_gemm.available() is None, reason="the C group GEMM needs AVX512_BF16")
+@pytest.mark.skipif("bf16" not in C_KERNELS, reason="the bf16 group GEMM needs AVX512_BF16")
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 16, 17])
 def test_c_int8_kernel_is_exact_over_its_levels(rows, monkeypatch):
     """Products of int8 levels and bf16 inputs are exact in float32: the kernel's output is the
     float32 product over the same values, rounded once to bf16."""
     w = torch.randn(48, 96)
-    lin = on_kernel(lambda: Int8Linear(w, torch.bfloat16), "c", monkeypatch)
+    lin = on_kernel(lambda: Int8Linear(w, torch.bfloat16), "bf16", monkeypatch)
     x = torch.randn(rows, 96).bfloat16()
     out = lin.kernel(x)
     ref = F.linear(x.float(), lin.dequantized())
     torch.testing.assert_close(out.float(), ref, rtol=2 ** -8, atol=1e-4 * ref.abs().max().item())
+
+
+@pytest.mark.skipif("avx2" not in C_KERNELS, reason="the avx2 group GEMM needs AVX2/FMA/F16C")
+@pytest.mark.parametrize("n,k", [(16, 32), (100, 64), (48, 1536), (3, 96)])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 9, 16, 17, 33])
+def test_avx2_int8_kernel_sums_its_levels_exactly(n, k, rows, monkeypatch):
+    """The avx2 kernel quantizes each row to int8 per group of 32 and sums level products in
+    int32, exactly: its output is the float32 product of the quantized rows and the weights as
+    held, to float32 rounding (channels not a multiple of 8 are padded and dropped)."""
+    w = torch.randn(n, k) * torch.linspace(0.01, 2.0, k)  # groups of different range
+    lin = on_kernel(lambda: Int8Linear(w), "avx2", monkeypatch)
+    x = torch.randn(rows, k) * torch.linspace(2.0, 0.01, k)
+    x[0, :32] = 0.0  # an all-zero group: scale 0, no division by it
+    out = lin.kernel(x)
+    ref = F.linear(int8_activations(x), lin.dequantized())
+    assert out.shape == (rows, n) and out.dtype == torch.float32
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    # and the activations' rounding is all it loses against float32: ~1/254 of a group's max
+    exact = F.linear(x, lin.dequantized())
+    assert (out - exact).abs().max() <= 2e-2 * exact.abs().max()
 
 
 @pytest.fixture(scope="module")
@@ -149,11 +181,11 @@ def test_quantization_choice(monkeypatch):
     assert resolve_quantization("none", "auto", CPU) is None
     assert resolve_quantization("int8", "auto", CPU) == "int8"
     assert resolve_quantization("auto", "float32", CPU) is None  # an explicit dtype is kept
-    monkeypatch.setattr(factory, "cpu_has_avx512_bf16", lambda: False)
-    assert resolve_quantization("auto", "auto", CPU) == "int8"  # the fastest format on AVX2
-    monkeypatch.setattr(factory, "cpu_has_avx512_bf16", lambda: True)
-    # bfloat16 activations; int4 for weights already 4-bit, per linear (make_linear)
-    assert resolve_quantization("auto", "auto", CPU) == "auto"
+    monkeypatch.setattr(group_gemm, "available", lambda: None)
+    assert resolve_quantization("auto", "auto", CPU) == "int8"  # PyTorch's kernels: int8
+    for kernel in C_KERNELS.values():  # int4 for weights already 4-bit, per linear (make_linear)
+        monkeypatch.setattr(group_gemm, "available", lambda k=kernel: k)
+        assert resolve_quantization("auto", "auto", CPU) == "auto"
     assert resolve_quantization("auto", "auto", torch.device("cuda")) is None
     assert resolve_quantization("int8", "bfloat16", CPU) == "int8"
     assert resolve_quantization("int4", "float32", CPU) == "int4"

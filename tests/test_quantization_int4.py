@@ -5,11 +5,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from test_model_parity import full_logits
-from test_quantization import KERNELS, on_kernel
+from test_quantization import C_KERNELS, KERNELS, int8_activations, on_kernel
 
 from chunkserve.model.factory import LoadedModel, cpu_has_avx512_bf16, load_model
 from chunkserve.model.layers.linear import Int8Linear, make_linear
-from chunkserve.model.layers import group_gemm
 from chunkserve.model.layers.linear_int4 import (GROUP, Int4Linear, dequantize_int4,
                                           exact_int4, quantize_int4)
 
@@ -49,9 +48,6 @@ def test_any_weight_rounds_to_half_a_step():
     assert (err <= scale[..., None] / 2 + 1e-6).all()
 
 
-C_KERNEL = group_gemm.available()  # None without AVX512_BF16
-
-
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 5, 8, 9, 32, 33, 100])
@@ -67,7 +63,7 @@ def test_int4_kernel_and_dense_paths_agree(kernel, rows, dtype, monkeypatch):
     assert lin.weight_bytes < w.numel()  # under a byte a weight
 
 
-@pytest.mark.skipif(C_KERNEL is None, reason="the C int4 kernel needs AVX512_BF16")
+@pytest.mark.skipif("bf16" not in C_KERNELS, reason="the bf16 int4 kernel needs AVX512_BF16")
 @pytest.mark.parametrize("n,k", [(16, 32), (100, 64), (48, 1536), (3, 96)])
 @pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 17, 32])
 def test_c_int4_kernel_is_exact_on_q4_1_weights(n, k, rows, monkeypatch):
@@ -75,12 +71,31 @@ def test_c_int4_kernel_is_exact_on_q4_1_weights(n, k, rows, monkeypatch):
     float32: the kernel's output is the float32 product over the same bf16 inputs, rounded
     once to bf16 (channels not a multiple of 16 are padded and dropped)."""
     w = q4_1_like(n, k, seed=n + rows)
-    lin = on_kernel(lambda: Int4Linear(w, torch.bfloat16), "c", monkeypatch)
+    lin = on_kernel(lambda: Int4Linear(w, torch.bfloat16), "bf16", monkeypatch)
     x = torch.randn(rows, k).bfloat16()
     out = lin.kernel(x)
     ref = F.linear(x.float(), w)
     assert out.shape == (rows, n) and out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), ref, rtol=2 ** -8, atol=1e-4 * ref.abs().max().item())
+
+
+@pytest.mark.skipif("avx2" not in C_KERNELS, reason="the avx2 int4 kernel needs AVX2/FMA/F16C")
+@pytest.mark.parametrize("n,k", [(16, 32), (100, 64), (48, 1536), (3, 96)])
+@pytest.mark.parametrize("rows", [1, 2, 4, 5, 7, 8, 9, 17, 32])
+def test_avx2_int4_kernel_is_exact_on_q4_1_weights(n, k, rows, monkeypatch):
+    """The avx2 kernel holds a Q4_1 block exactly and sums (level - 8) x int8-activation
+    products in int32; the minimums (of the centred levels) multiply the rows' float sums. Its output is that arithmetic in float32,
+    to float32 rounding (channels not a multiple of 8 are padded and dropped)."""
+    w = q4_1_like(n, k, seed=n + rows)
+    lin = on_kernel(lambda: Int4Linear(w), "avx2", monkeypatch)
+    assert torch.equal(lin.kernel.dequantized(), w)
+    x = torch.randn(rows, k)
+    out = lin.kernel(x)
+    levels, scale, low = quantize_int4(w)
+    lows = (low + 8 * scale).repeat_interleave(GROUP, dim=1)  # the centred levels' minimums
+    ref = F.linear(int8_activations(x), w - lows) + F.linear(x, lows)
+    assert out.shape == (rows, n) and out.dtype == torch.float32
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
 
 
 def test_auto_takes_int4_only_where_the_weights_are_4_bit():

@@ -233,21 +233,13 @@ def test_torch_decode_reads_from_the_window_block_and_slices() -> None:
 
 # ---- the AVX2 build ---------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def avx2_library(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
-    """The decode kernel (and write_kv) built for an AVX2-only CPU: no AVX-512 paths at all."""
+def avx2_library() -> ctypes.CDLL:
+    """The kernels built for an AVX2-only CPU (CHUNKSERVE_CPU_ISA=avx2): no AVX-512 paths."""
     if platform.machine() not in ("x86_64", "AMD64") or not _cpu_kernels_here():
         pytest.skip("an x86-64 CPU with a C compiler")
     from chunkserve.model.kernels import cpu_library
 
-    names = ("paged_decode.c", "storage.c", "layer_ops.c")
-    sources = [s for s in cpu_library._sources() if s.rsplit("/", 1)[-1] in names]
-    out = str(tmp_path_factory.mktemp("avx2") / "kernels.so")
-    flags = [f if f != "-march=native" else "-march=haswell" for f in cpu_library.CFLAGS]
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(cpu_library, "CFLAGS", flags)
-        error = cpu_library.compile_shared(cpu_library._compiler(), sources, out)
-    assert not error, error
-    return ctypes.CDLL(out)
+    return cpu_library.library("avx2")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

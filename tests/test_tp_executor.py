@@ -71,13 +71,13 @@ def test_two_ranks_give_one_process_tokens(tiny_model_dir: str, kwargs: dict) ->
 def test_int8_weights_give_the_same_tokens(tiny_model_dir: str) -> None:
     """int8 in groups of 32 (the C group GEMM): each rank quantizes its shard, in groups the
     split never cuts, and a float32 model's partial sums stay float32 into the all-reduce.
-    (Per-channel int8, the kernel where AVX512_BF16 is missing, holds one process's levels on
-    every rank too (test_tp_sharding.py), but PyTorch's kernel rounds each rank's partial sums
-    to bfloat16 before the all-reduce: not compared token for token.)"""
+    (Per-channel int8, PyTorch's kernel where no C group GEMM builds, holds one process's
+    levels on every rank too (test_tp_sharding.py), but rounds each rank's partial sums to
+    bfloat16 before the all-reduce: not compared token for token.)"""
     from chunkserve.model.layers import group_gemm
 
     if group_gemm.available() is None:
-        pytest.skip("no C group GEMM (AVX512_BF16) here: bfloat16 partial sums differ")
+        pytest.skip("no C group GEMM (AVX2) here: bfloat16 partial sums differ")
     _same_tokens(tiny_model_dir, max_num_batched_tokens=16, num_kv_blocks=64,
                  quantization="int8")
 
@@ -86,11 +86,11 @@ def test_int4_weights_give_the_same_tokens(tiny_model_dir: str) -> None:
     """int4 in groups of 32 inputs (GGUF's Q4_1 blocks): the row-parallel splits of o_proj and
     down fall on group boundaries (32 and 64 inputs a rank here), so each rank holds exactly
     one process's groups, and the C kernel's float32 partial sums add up alike. (PyTorch's int4
-    kernel, where AVX512_BF16 is missing, rounds each rank's partial sums to bfloat16.)"""
+    kernel, where no C group GEMM builds, rounds each rank's partial sums to bfloat16.)"""
     from chunkserve.model.layers import group_gemm
 
     if group_gemm.available() is None:
-        pytest.skip("no C group GEMM (AVX512_BF16) here: bfloat16 partial sums differ")
+        pytest.skip("no C group GEMM (AVX2) here: bfloat16 partial sums differ")
     _same_tokens(tiny_model_dir, max_num_batched_tokens=16, num_kv_blocks=64,
                  quantization="int4")
 

@@ -28,4 +28,7 @@ def cpu_info() -> dict[str, Any]:
 def cpu_model() -> str:
     """One line: model, cores and flags, e.g. "AMD EPYC, 2 cores, avx2 fma f16c"."""
     info = cpu_info()
-    return f"{info['model']}, {info['cores']} cores, {' '.join(info['flags']) or 'no AVX2'}"
+    line = f"{info['model']}, {info['cores']} cores, {' '.join(info['flags']) or 'no AVX2'}"
+    forced = [f"{k}={os.environ[k]}" for k in ("CHUNKSERVE_CPU_ISA", "ATEN_CPU_CAPABILITY")
+              if os.environ.get(k)]
+    return line + (f" (run as on a smaller CPU: {' '.join(forced)})" if forced else "")

@@ -8,6 +8,8 @@ import torch
 
 from chunkserve.config import ModelConfig
 from chunkserve.model.attention.select import make_attention_backend
+from chunkserve.model.kernels import cpu_library
+from chunkserve.model.layers import group_gemm
 from chunkserve.model.layers.layer_ops import make_layer_ops
 from chunkserve.model.loaders.source import load_source
 from chunkserve.model.models.config import DecoderConfig
@@ -37,6 +39,10 @@ INT8_BY_DEFAULT = True
 
 @lru_cache(maxsize=1)
 def cpu_has_avx512_bf16() -> bool:
+    """Whether the CPU has native bf16 dot products (False under CHUNKSERVE_CPU_ISA=avx2: the
+    engine then chooses as on an AVX2-only CPU)."""
+    if cpu_library.isa() == "avx2":
+        return False
     try:
         with open("/proc/cpuinfo") as f:
             return "avx512_bf16" in f.read()
@@ -71,7 +77,7 @@ def resolve_quantization(name: str, dtype: str, device: torch.device) -> str | N
     """None (dense weights), "int8", "int4" or "auto" (per linear: int4 where the weights are
     already 4-bit, else int8; see make_linear). `auto` quantizes on the CPU when the dtype is
     left to auto as well (an explicit dtype means the caller wants that precision); int4 only
-    where it was measured faster, CPUs with AVX512_BF16 (its kernel takes bf16 activations)."""
+    where it was measured faster: where one of our group GEMMs runs (AVX2 or AVX512_BF16)."""
     if name == "none":
         return None
     if name in ("int8", "int4"):
@@ -81,7 +87,7 @@ def resolve_quantization(name: str, dtype: str, device: torch.device) -> str | N
     if name == "auto":
         if not (device.type == "cpu" and dtype == "auto" and INT8_BY_DEFAULT):
             return None
-        return "auto" if cpu_has_avx512_bf16() else "int8"
+        return "auto" if group_gemm.available() is not None else "int8"
     raise ValueError(f"quantization must be auto, int4, int8 or none, got {name!r}")
 
 

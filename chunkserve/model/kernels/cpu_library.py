@@ -1,5 +1,5 @@
 """Builds and loads the CPU kernels (`kernels/csrc/*.c`: paged decode attention, bfloat16
-prefill-chunk attention, the int4/int8 GEMM for decode rows, a layer's small ops) with the C
+prefill-chunk attention, the int4/int8 GEMMs for decode rows, a layer's small ops) with the C
 compiler, as one shared library.
 
 The library is compiled once per source, compiler and CPU (`-march=native`) into a cache folder
@@ -22,6 +22,11 @@ import torch  # first: its libgomp.so.1 is the one the kernel must bind to
 
 SOURCE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11"]
+# `CHUNKSERVE_CPU_ISA=avx2` builds the kernels for an AVX2-only CPU (Haswell's set: AVX2, FMA,
+# F16C; x86-64-v3) and makes the engine choose as on one (no AVX512_BF16 paths): how the AVX2
+# kernels are tested and measured on an AVX-512 host. Set `ATEN_CPU_CAPABILITY=avx2` as well to
+# keep PyTorch's own kernels to AVX2. Default `native`: all the CPU has.
+ISAS = {"native": "-march=native", "avx2": "-march=haswell"}
 # Linked apart, without -ffast-math: with it, GCC before 13 links crtfastmath.o into a shared
 # library too, whose constructor sets flush-to-zero / denormals-are-zero for the whole process
 # when the library loads: every float op of PyTorch and Python after it would change.
@@ -63,6 +68,20 @@ def _compiler() -> str:
         "compiler (cc, gcc or clang; or set CC). Install one, or use --attention-backend torch.")
 
 
+def isa() -> str:
+    """The instruction set the kernels are built for (`CHUNKSERVE_CPU_ISA`, default native)."""
+    name = os.environ.get("CHUNKSERVE_CPU_ISA", "native") or "native"
+    if name not in ISAS:
+        raise KernelBuildError(f"CHUNKSERVE_CPU_ISA must be one of {', '.join(ISAS)}, got "
+                               f"{name!r}")
+    return name
+
+
+def cflags(target: str) -> list[str]:
+    """CFLAGS with `-march` for the instruction set `target` (a key of ISAS)."""
+    return [ISAS[target] if f == "-march=native" else f for f in CFLAGS]
+
+
 def _cpu_id() -> str:
     """What -march=native depends on: a cached build from another CPU may not run here."""
     try:
@@ -77,13 +96,14 @@ def _sources() -> list[str]:
     return sorted(os.path.join(SOURCE_DIR, n) for n in os.listdir(SOURCE_DIR) if n.endswith(".c"))
 
 
-def _build(cc: str) -> str:
+def _build(cc: str, target: str) -> str:
+    flags = cflags(target)
     source = b""
     for name in sorted(os.listdir(SOURCE_DIR)):  # the .c files and the headers they include
         with open(os.path.join(SOURCE_DIR, name), "rb") as f:
             source += name.encode() + f.read()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256(source + " ".join(CFLAGS + LDFLAGS).encode() + version.encode()
+    key = hashlib.sha256(source + " ".join(flags + LDFLAGS).encode() + version.encode()
                          + _cpu_id().encode()).hexdigest()[:16]
     path = os.path.join(cache_dir(), f"cpu_kernels-{key}.so")
     if os.path.isfile(path):
@@ -98,7 +118,7 @@ def _build(cc: str) -> str:
                                "set CHUNKSERVE_CACHE_DIR, or use --attention-backend torch.") from e
     os.close(fd)
     try:
-        error = compile_shared(cc, _sources(), tmp)
+        error = compile_shared(cc, _sources(), tmp, flags)
         if error:
             raise KernelBuildError(f"compiling {SOURCE_DIR} with {cc} failed:\n{error}\n"
                                    "Use --attention-backend torch.")
@@ -109,13 +129,14 @@ def _build(cc: str) -> str:
     return path
 
 
-def compile_shared(cc: str, sources: list[str], out: str) -> str:
-    """Compiles `sources` (CFLAGS) and links them into the shared library `out` (LDFLAGS).
-    Returns the compiler's error text, or "" when it built."""
+def compile_shared(cc: str, sources: list[str], out: str, flags: list[str] | None = None) -> str:
+    """Compiles `sources` (`flags`, default CFLAGS) and links them into the shared library
+    `out` (LDFLAGS). Returns the compiler's error text, or "" when it built."""
+    flags = CFLAGS if flags is None else flags
     with tempfile.TemporaryDirectory() as tmp:
         objects = [os.path.join(tmp, f"{i}.o") for i in range(len(sources))]
         for src, obj in zip(sources, objects):
-            done = subprocess.run([cc, *CFLAGS, "-c", src, "-o", obj], capture_output=True,
+            done = subprocess.run([cc, *flags, "-c", src, "-o", obj], capture_output=True,
                                   text=True)
             if done.returncode != 0:
                 return done.stderr.strip()
@@ -124,10 +145,15 @@ def compile_shared(cc: str, sources: list[str], out: str) -> str:
         return done.stderr.strip() if done.returncode != 0 else ""
 
 
+def library(target: str | None = None) -> ctypes.CDLL:
+    """The kernels' library for the instruction set `target` (default: `isa()`), compiled first
+    if this machine has no build of it yet."""
+    return _library(target or isa())
+
+
 @cache
-def library() -> ctypes.CDLL:
-    """The kernels' library, compiled first if this machine has no build of it yet."""
-    return ctypes.CDLL(_build(_compiler()))
+def _library(target: str) -> ctypes.CDLL:
+    return ctypes.CDLL(_build(_compiler(), target))
 
 
 def load() -> ctypes._CFuncPtr:  # type: ignore[name-defined]
@@ -138,20 +164,29 @@ def load() -> ctypes._CFuncPtr:  # type: ignore[name-defined]
     return fn
 
 
-def load_group_gemm() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    """The GEMM for group-quantized weights and decode rows (group_gemm_bf16.c), or None where
-    this build does not have it (no AVX512_BF16) or the kernels do not build here."""
+def load_group_gemm(target: str | None = None
+                    ) -> tuple[str, ctypes._CFuncPtr] | None:  # type: ignore[name-defined]
+    """The GEMM for group-quantized weights and decode rows, as (its name, its entry point):
+    "bf16" (group_gemm_bf16.c) on CPUs with AVX512_BF16, else "avx2" (group_gemm_avx2.c) on
+    CPUs with AVX2, FMA and F16C; None elsewhere or where the kernels do not build. `target`:
+    the instruction set of the build (default: `isa()`)."""
     try:
-        lib = library()
+        lib = library(target)
     except KernelBuildError:
         return None
-    if not lib.group_gemm_bf16_supported():
-        return None
-    fn = lib.group_gemm_bf16
-    # y, y_bf16, x, M, K, levels, scales, N, bits, num_threads
-    fn.argtypes = [_ptr, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64]
-    fn.restype = ctypes.c_int
-    return fn
+    if lib.group_gemm_bf16_supported():
+        fn = lib.group_gemm_bf16
+        # y, y_bf16, x, M, K, levels, scales, N, bits, num_threads
+        fn.argtypes = [_ptr, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64]
+        fn.restype = ctypes.c_int
+        return "bf16", fn
+    if lib.group_gemm_avx2_supported():
+        fn = lib.group_gemm_avx2
+        # y, x, M, K, levels, scales, N, bits, num_threads
+        fn.argtypes = [_ptr, _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64]
+        fn.restype = ctypes.c_int
+        return "avx2", fn
+    return None
 
 
 def load_chunk_bf16(head_dim: int) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]

@@ -1,15 +1,21 @@
-"""Weights quantized in groups of 32 inputs, multiplied by kernels/csrc/group_gemm_bf16.c: the
-decode rows of int4 (GGUF Q4_1: levels 0..15, a scale and a minimum a group) and int8 (Q8_0:
-levels -127..127, a scale a group) layers on CPUs with AVX512_BF16.
+"""Weights quantized in groups of 32 inputs, multiplied by our C kernels: the decode rows of int4
+(GGUF Q4_1: levels 0..15, a scale and a minimum a group) and int8 (Q8_0: levels -127..127, a
+scale a group) layers. Two kernels, one per kind of CPU (`available()` picks):
+- "bf16", kernels/csrc/group_gemm_bf16.c, CPUs with AVX512_BF16: bfloat16 activations, 16
+  output channels a vector;
+- "avx2", kernels/csrc/group_gemm_avx2.c, CPUs with AVX2/FMA/F16C: float32 activations,
+  quantized to int8 per group of 32 inside the kernel for integer dot products (llama.cpp's
+  way on such CPUs), 8 output channels a vector.
 
-The kernel reads 16 output channels per vector: levels are stored channel-interleaved, group
-by group, and scales (and minimums) as float16, as GGUF stores them, so a Q4_0/Q4_1/Q8_0
-file's weights are held exactly. `GroupGemm.int4` / `.int8` lay a layer's quantized weights
-out that way; calling it multiplies bfloat16 activations (float32 sums, bf16 output).
+Each kernel reads its own channel-interleaved layout of the levels (see its C file), and the
+scales (and minimums) as float16, as GGUF stores them, so a Q4_0/Q4_1/Q8_0 file's weights are
+held exactly. `GroupGemm.int4` / `.int8` lay a layer's quantized weights out for the kernel;
+calling it multiplies the activations.
 """
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -17,11 +23,28 @@ import torch.nn.functional as F
 from chunkserve.model.kernels import cpu_library
 
 GROUP = 32  # GGUF's Q4_0 / Q4_1 / Q8_0 block size
-LANES = 16  # output channels per vector
 
 
-def available() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    return cpu_library.load_group_gemm()
+@dataclass(frozen=True)
+class GroupKernel:
+    name: str  # "bf16" or "avx2"
+    fn: ctypes._CFuncPtr  # type: ignore[name-defined]
+
+    @property
+    def lanes(self) -> int:
+        """Output channels a vector: levels are interleaved by this many channels."""
+        return 16 if self.name == "bf16" else 8
+
+    @property
+    def activations(self) -> torch.dtype:
+        return torch.bfloat16 if self.name == "bf16" else torch.float32
+
+
+def available(target: str | None = None) -> GroupKernel | None:
+    """This CPU's group GEMM, or None (no AVX2, or no C compiler). `target`: the instruction set
+    to build for (cpu_library.ISAS; default CHUNKSERVE_CPU_ISA's)."""
+    found = cpu_library.load_group_gemm(target)
+    return None if found is None else GroupKernel(*found)
 
 
 def fits_float16(*tensors: torch.Tensor) -> bool:
@@ -31,78 +54,130 @@ def fits_float16(*tensors: torch.Tensor) -> bool:
 
 
 class GroupGemm:
-    """One layer's levels and float16 scales in the kernel's layout, and the call."""
+    """One layer's levels and float16 scales in its kernel's layout, and the call."""
 
-    def __init__(self, fn: ctypes._CFuncPtr, bits: int, levels: torch.Tensor,  # type: ignore[name-defined]
+    def __init__(self, kernel: GroupKernel, bits: int, levels: torch.Tensor,
                  scales: torch.Tensor, n: int, max_rows: int) -> None:
-        self.fn, self.bits, self.levels, self.scales = fn, bits, levels, scales
-        self.n = n  # output channels (levels/scales are padded to a multiple of LANES)
+        self.kernel, self.bits, self.levels, self.scales = kernel, bits, levels, scales
+        self.n = n  # output channels (levels/scales are padded to a multiple of the lanes)
         self.max_rows = max_rows  # rows up to which it beats the dense GEMM (see the callers)
         self.weight_bytes = levels.numel() * levels.element_size() + scales.numel() * 2
-        self.n_out = levels.shape[0] * LANES
+        self.n_out = levels.shape[0] * kernel.lanes
         self.levels_ptr, self.scales_ptr = levels.data_ptr(), scales.data_ptr()
-        # float32 for a float32 model (QuantizedLinear sets it): its sums are float32 in the
-        # kernel, and a bfloat16 output would round them (and a tensor-parallel rank's partial
-        # sums before the all-reduce, which then differ from one rank's whole sum).
-        self.out_dtype = torch.bfloat16
+        # bf16 kernel: float32 for a float32 model (QuantizedLinear sets it): its sums are
+        # float32 in the kernel, and a bfloat16 output would round them (and a tensor-parallel
+        # rank's partial sums before the all-reduce, which then differ from one rank's whole
+        # sum). The avx2 kernel always writes float32.
+        self.out_dtype = torch.bfloat16 if kernel.name == "bf16" else torch.float32
 
     @classmethod
-    def int4(cls, fn, levels: torch.Tensor, scale: torch.Tensor, low: torch.Tensor,  # type: ignore[no-untyped-def]
-             max_rows: int) -> GroupGemm:
+    def int4(cls, kernel: GroupKernel, levels: torch.Tensor, scale: torch.Tensor,
+             low: torch.Tensor, max_rows: int) -> GroupGemm:
         """levels [N, K] 0..15, scale and low (minimum) [N, K/32]."""
-        n, k = levels.shape
-        levels, scale, low = _pad(levels, scale, low)
-        blocks, groups = levels.shape[0] // LANES, k // GROUP
-        # [N/16, K/32, 16 pairs, 16 channels]: byte = level 2p | level 2p+1 << 4
-        lv = levels.to(torch.uint8).reshape(blocks, LANES, groups, GROUP // 2, 2)
-        packed = (lv[..., 0] | (lv[..., 1] << 4)).permute(0, 2, 3, 1).contiguous()
-        # [N/16, K/32, 2, 16] float16: scales, then minimums
+        n, lanes = levels.shape[0], kernel.lanes
+        levels, scale, low = _pad(lanes, levels, scale, low)
+        pack = _pack_int4_bf16 if kernel.name == "bf16" else _pack_int4_avx2
+        packed = pack(levels.to(torch.uint8), lanes)
+        # [N/lanes, K/32, 2, lanes] float16: scales, then minimums
+        blocks, groups = levels.shape[0] // lanes, scale.shape[1]
         sc = torch.stack([scale, low]).to(torch.float16).reshape(
-            2, blocks, LANES, groups).permute(1, 3, 0, 2).contiguous()
-        return cls(fn, 4, packed, sc, n, max_rows)
+            2, blocks, lanes, groups).permute(1, 3, 0, 2).contiguous()
+        return cls(kernel, 4, packed, sc, n, max_rows)
 
     @classmethod
-    def int8(cls, fn, levels: torch.Tensor, scale: torch.Tensor,  # type: ignore[no-untyped-def]
+    def int8(cls, kernel: GroupKernel, levels: torch.Tensor, scale: torch.Tensor,
              max_rows: int) -> GroupGemm:
         """levels [N, K] int8, scale [N, K/32] (float16 values)."""
-        n, k = levels.shape
-        levels, scale = _pad(levels, scale)
-        blocks, groups = levels.shape[0] // LANES, k // GROUP
-        # [N/16, K/32, 16 pairs, 16 channels, 2] int8; [N/16, K/32, 16] float16
-        packed = levels.to(torch.int8).reshape(blocks, LANES, groups, GROUP // 2, 2).permute(
-            0, 2, 3, 1, 4).contiguous()
-        sc = scale.to(torch.float16).reshape(blocks, LANES, groups).permute(0, 2, 1).contiguous()
-        return cls(fn, 8, packed, sc, n, max_rows)
+        n, lanes = levels.shape[0], kernel.lanes
+        levels, scale = _pad(lanes, levels, scale)
+        blocks, groups = levels.shape[0] // lanes, scale.shape[1]
+        lv = levels.to(torch.int8).reshape(blocks, lanes, groups, GROUP // 2, 2)
+        if kernel.name == "bf16":  # [N/16, K/32, 16 pairs, 16 channels, 2]
+            packed = lv.permute(0, 2, 3, 1, 4).contiguous()
+        else:  # [N/8, K/32, 8 quads, 8 channels x 4 inputs]
+            packed = lv.reshape(blocks, lanes, groups, GROUP // 4, 4).permute(
+                0, 2, 3, 1, 4).reshape(blocks, groups, GROUP // 4, 4 * lanes).contiguous()
+        # [N/lanes, K/32, lanes] float16
+        sc = scale.to(torch.float16).reshape(blocks, lanes, groups).permute(0, 2, 1).contiguous()
+        return cls(kernel, 8, packed, sc, n, max_rows)
 
     def dequantized(self) -> torch.Tensor:
         """The weights as held, float32 [N, K] (for the dense copy of prefill rows, and tests)."""
+        lanes = self.kernel.lanes
         blocks, groups = self.levels.shape[:2]
-        if self.bits == 4:  # levels [B, G, 16 pairs, 16], scales [B, G, 2, 16]
-            lv = torch.stack([self.levels & 15, self.levels >> 4], dim=-1).permute(0, 3, 1, 2, 4)
+        if self.bits == 4:
+            unpack = _unpack_int4_bf16 if self.kernel.name == "bf16" else _unpack_int4_avx2
+            lv = unpack(self.levels, lanes)
             scale, low = (self.scales[:, :, i].permute(0, 2, 1).float() for i in (0, 1))
-        else:  # levels [B, G, 16 pairs, 16, 2], scales [B, G, 16]
-            lv = self.levels.permute(0, 3, 1, 2, 4)
+        else:
+            lv = _unpack_int8(self.levels, self.kernel.name, lanes)
             scale, low = self.scales.permute(0, 2, 1).float(), torch.zeros(())
-        lv = lv.reshape(blocks, LANES, groups, GROUP).float()
+        lv = lv.reshape(blocks, lanes, groups, GROUP).float()
         w = lv * scale[..., None] + low[..., None]  # (low: a 0-d zero for int8)
-        return w.reshape(blocks * LANES, groups * GROUP)[: self.n]
+        return w.reshape(blocks * lanes, groups * GROUP)[: self.n]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # A decode step makes ~120 of these calls: each microsecond here is ~2% of a B=1 step
         # (docs/performance.md), hence the checks before converting and the cached pointers.
-        if x.dtype != torch.bfloat16:
-            x = x.to(torch.bfloat16)
+        act = self.kernel.activations
+        if x.dtype != act:
+            x = x.to(act)
         if not x.is_contiguous():
             x = x.contiguous()
         y = torch.empty(x.shape[0], self.n_out, dtype=self.out_dtype)
-        bf16_out = int(self.out_dtype == torch.bfloat16)
-        if self.fn(y.data_ptr(), bf16_out, x.data_ptr(), x.shape[0], x.shape[1], self.levels_ptr,
-                   self.scales_ptr, self.n_out, self.bits, torch.get_num_threads()):
+        if self.kernel.name == "bf16":
+            failed = self.kernel.fn(
+                y.data_ptr(), int(self.out_dtype == torch.bfloat16), x.data_ptr(), x.shape[0],
+                x.shape[1], self.levels_ptr, self.scales_ptr, self.n_out, self.bits,
+                torch.get_num_threads())
+        else:
+            failed = self.kernel.fn(y.data_ptr(), x.data_ptr(), x.shape[0], x.shape[1],
+                                    self.levels_ptr, self.scales_ptr, self.n_out, self.bits,
+                                    torch.get_num_threads())
+        if failed:
             raise MemoryError("the group GEMM could not allocate its buffer")
         return y if self.n_out == self.n else y[:, : self.n]
 
 
-def _pad(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+# ---- layouts (the C files' headers describe them) -------------------------------------------
+def _pack_int4_bf16(levels: torch.Tensor, lanes: int) -> torch.Tensor:
+    """[N/16, K/32, 16 pairs, 16 channels]: byte = level 2p | level 2p+1 << 4."""
+    blocks, groups = levels.shape[0] // lanes, levels.shape[1] // GROUP
+    lv = levels.reshape(blocks, lanes, groups, GROUP // 2, 2)
+    return (lv[..., 0] | (lv[..., 1] << 4)).permute(0, 2, 3, 1).contiguous()
+
+
+def _unpack_int4_bf16(packed: torch.Tensor, lanes: int) -> torch.Tensor:
+    """[N/16, 16 channels, K/32, 32] levels from _pack_int4_bf16's layout."""
+    return torch.stack([packed & 15, packed >> 4], dim=-1).permute(0, 3, 1, 2, 4)
+
+
+def _pack_int4_avx2(levels: torch.Tensor, lanes: int) -> torch.Tensor:
+    """[N/8, K/32, 8 quads, 16 bytes]: byte 4c + i = channel c's level of input 4j + i (low
+    nibble) | channel 4 + c's (high nibble), c < 4."""
+    blocks, groups = levels.shape[0] // lanes, levels.shape[1] // GROUP
+    lv = levels.reshape(blocks, lanes, groups, GROUP // 4, 4).permute(0, 2, 3, 1, 4)
+    half = lanes // 2  # lv: [blocks, groups, quads, channels, 4 inputs]
+    return (lv[:, :, :, :half] | (lv[:, :, :, half:] << 4)).reshape(
+        blocks, groups, GROUP // 4, 2 * lanes).contiguous()
+
+
+def _unpack_int4_avx2(packed: torch.Tensor, lanes: int) -> torch.Tensor:
+    blocks, groups = packed.shape[:2]
+    bytes_ = packed.reshape(blocks, groups, GROUP // 4, lanes // 2, 4)
+    lv = torch.cat([bytes_ & 15, bytes_ >> 4], dim=3)  # [blocks, groups, quads, channels, 4]
+    return lv.permute(0, 3, 1, 2, 4)
+
+
+def _unpack_int8(packed: torch.Tensor, name: str, lanes: int) -> torch.Tensor:
+    """[N/lanes, lanes channels, K/32, ...] levels from either kernel's int8 layout."""
+    if name == "bf16":  # [B, G, 16 pairs, 16, 2]
+        return packed.permute(0, 3, 1, 2, 4)
+    blocks, groups = packed.shape[:2]  # [B, G, 8 quads, 8 channels x 4]
+    return packed.reshape(blocks, groups, GROUP // 4, lanes, 4).permute(0, 3, 1, 2, 4)
+
+
+def _pad(lanes: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Zero channels up to a whole vector (their outputs are dropped)."""
-    pad = -tensors[0].shape[0] % LANES
+    pad = -tensors[0].shape[0] % lanes
     return tensors if not pad else tuple(F.pad(t, (0, 0, 0, pad)) for t in tensors)

@@ -4,8 +4,8 @@ CPU (int4: linear_int4.py).
 `DenseLinear` is a dense GEMM in the model's compute dtype (float32, or bfloat16 where the CPU
 has native bf16 dot products, and on CUDA). `Int8Linear` is `--quantization int8`: weight-only
 int8, quantized once at load: in groups of 32 inputs with a float16 scale each through our C
-kernel on AVX512_BF16 CPUs (group_gemm.py), else with one scale per output channel through
-PyTorch's kernel (what follows describes that one; the C kernel's trade-offs are the same).
+kernels on CPUs with AVX2 (group_gemm.py), else with one scale per output channel through
+PyTorch's kernel (what follows describes that one; the C kernels' trade-offs are the same).
 A decode step is bound by streaming the weights from memory, and int8 weights are a quarter of
 float32's bytes and half of bfloat16's; PyTorch's CPU kernel for them (`_weight_int8pack_mm`)
 takes bfloat16 activations and accumulates in float32 (given float32 activations it is 8x
@@ -35,9 +35,10 @@ from chunkserve.model.layers.quant_linear import QuantizedLinear
 # weight: measured over 30 layers of SmolLM2's shapes from DRAM, int8 9.8 ms vs bf16 10.6 at 8
 # rows, 18.1 vs 12.8 at 16.
 INT8_KERNEL_MAX_ROWS = 8
-# The same for the C group GEMM's int8 (group_gemm.py): 5.9 vs 9.1 ms at 8 rows, 11.4 vs 11.2
-# at 16 (docs/performance.md).
-C_KERNEL_MAX_ROWS = 16
+# The same for the C group GEMMs' int8 (group_gemm.py). bf16: 5.9 vs 9.1 ms at 8 rows, 11.4 vs
+# 11.2 at 16 (docs/performance.md). avx2 against packed float32: docs/performance.md ("AVX2
+# group GEMM").
+C_KERNEL_MAX_ROWS = {"bf16": 16, "avx2": 32}
 
 
 class Linear(Protocol):
@@ -95,8 +96,8 @@ def quantize_int8_groups(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class Int8Linear(QuantizedLinear):
-    """`--quantization int8`. On AVX512_BF16 CPUs: int8 levels in groups of 32 inputs, each with a
-    float16 scale (GGUF's Q8_0), through the C group GEMM (group_gemm.py): both finer and faster
+    """`--quantization int8`. On CPUs with AVX2: int8 levels in groups of 32 inputs, each with a
+    float16 scale (GGUF's Q8_0), through a C group GEMM (group_gemm.py): both finer and faster
     than one scale per channel. Elsewhere: one scale per channel through PyTorch's kernel."""
 
     def __init__(self, weight: torch.Tensor, dtype: torch.dtype = torch.float32,
@@ -104,11 +105,11 @@ class Int8Linear(QuantizedLinear):
                  ) -> None:
         """`row_absmax`: see TorchInt8 (groups of 32 need none: a shard keeps whole groups)."""
         w = weight.float()
-        fn = group_gemm.available() if w.shape[1] % GROUP == 0 else None
-        levels, scales = quantize_int8_groups(w) if fn is not None else (None, None)
+        c = group_gemm.available() if w.shape[1] % GROUP == 0 else None
+        levels, scales = quantize_int8_groups(w) if c is not None else (None, None)
         kernel: TorchInt8 | group_gemm.GroupGemm
-        if levels is not None and group_gemm.fits_float16(scales):
-            kernel = group_gemm.GroupGemm.int8(fn, levels, scales, C_KERNEL_MAX_ROWS)
+        if c is not None and levels is not None and group_gemm.fits_float16(scales):
+            kernel = group_gemm.GroupGemm.int8(c, levels, scales, C_KERNEL_MAX_ROWS[c.name])
         else:
             kernel = TorchInt8(w, row_absmax)
         super().__init__(kernel, kernel.dequantized(), dtype, bias)

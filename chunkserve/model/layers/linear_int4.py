@@ -5,10 +5,11 @@ Each group of 32 consecutive input weights of an output channel is stored as 4-b
 Q4_1 block (and Q4_0's, whose minimum is -8 scales): the default model's linear weights are
 Q4_1, so for them int4 is not a further approximation, unlike int8's one scale per channel;
 re-quantizing a dequantized Q4_1 tensor gives back its blocks (`exact_int4`). Decode rows
-(up to the kernel's `max_rows`) run an int4 kernel, which streams ~half of int8's bytes: on
-AVX512_BF16 CPUs our own (group_gemm.py, kernels/csrc/group_gemm_bf16.c), elsewhere PyTorch's
-(`TorchInt4`, `_weight_int4pack_mm_for_cpu`); both take bfloat16 activations. Prefill rows,
-compute-bound, multiply a dense copy in the compute dtype, as `Int8Linear` does.
+(up to the kernel's `max_rows`) run an int4 kernel, which streams ~half of int8's bytes: our
+own where the CPU has AVX2 (group_gemm.py: bfloat16 activations with AVX512_BF16, else float32
+ones quantized to int8 in the kernel), elsewhere PyTorch's (`TorchInt4`,
+`_weight_int4pack_mm_for_cpu`, bfloat16 activations). Prefill rows, compute-bound, multiply a
+dense copy in the compute dtype, as `Int8Linear` does.
 """
 from __future__ import annotations
 
@@ -19,10 +20,11 @@ from chunkserve.model.layers.group_gemm import GROUP
 from chunkserve.model.layers.quant_linear import QuantizedLinear
 
 LEVELS = 15
-# Rows up to which the C kernel (group_gemm.py) beats the packed dense GEMM
-# (benchmarks/kernels/cpu_gemm_formats.py, 30 layers of SmolLM2's shapes on a Zen 5, two runs: 16.5 /
-# 16.1 vs 17.4 / 17.1 ms at 32 rows; 27.0 / 30.4 vs 28.9 / 26.2 at 64, a tie within the noise).
-C_KERNEL_MAX_ROWS = 32
+# Rows up to which each C kernel (group_gemm.py) beats the packed dense GEMM
+# (benchmarks/kernels/cpu_gemm_formats.py, 30 layers of SmolLM2's shapes). bf16, on a Zen 5, two
+# runs: 16.5 / 16.1 vs 17.4 / 17.1 ms at 32 rows; 27.0 / 30.4 vs 28.9 / 26.2 at 64, a tie within
+# the noise. avx2 against packed float32: see docs/performance.md ("AVX2 group GEMM").
+C_KERNEL_MAX_ROWS = {"bf16": 32, "avx2": 32}
 
 
 def quantize_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -83,9 +85,9 @@ class Int4Linear(QuantizedLinear):
         if weight.shape[1] % GROUP:
             raise ValueError(f"int4 needs in_features divisible by {GROUP}, got {weight.shape[1]}")
         levels, scale, low = quantized or quantize_int4(weight.float())
-        fn = group_gemm.available()
-        if fn is not None and group_gemm.fits_float16(scale, low):
-            kernel = group_gemm.GroupGemm.int4(fn, levels, scale, low, C_KERNEL_MAX_ROWS)
+        c = group_gemm.available()
+        if c is not None and group_gemm.fits_float16(scale, low):
+            kernel = group_gemm.GroupGemm.int4(c, levels, scale, low, C_KERNEL_MAX_ROWS[c.name])
             # Prefill rows multiply the same weights (its float16 scales: exact for a GGUF's
             # blocks, and what its decode rows use).
             super().__init__(kernel, kernel.dequantized(), dtype, bias)

@@ -1,0 +1,215 @@
+/* y = x . W^T for weights quantized in groups of 32 along K, on CPUs with AVX2 (x86-64-v3: AVX2,
+ * FMA, F16C), float32 activations: the decode-sized GEMMs of int4 and int8 layers where there is
+ * no AVX512_BF16 (group_gemm_bf16.c is that path). The same two formats, GGUF's blocks:
+ *   int4 (Q4_1): w = minimum + level * scale, levels 0..15;
+ *   int8 (Q8_0): w = scale * level, levels -127..127.
+ *
+ * Why integer dot products: AVX2's float FMA does 8 multiply-adds an instruction, its byte
+ * multiply-add (vpmaddubsw) 32, and a 4-bit level must be widened to float before an FMA can use
+ * it, an instruction or two per 8 weights that a decode row cannot share. So, as llama.cpp does
+ * for its Q4_1 x Q8_1 and Q8_0 x Q8_0 dot products, each row of x is first quantized to int8 in
+ * groups of 32 (a scale d = max|x| / 127 per group, and the group's float sum for the
+ * minimums), and a group's dot product of 32 levels is summed exactly in int32:
+ *   int4: y += scale * d * sum_k (level_k - 8) xq_k + (minimum + 8 scale) * sum_k x_k
+ *   int8: y += scale * d * sum_k level_k xq_k
+ * (int4 levels are centred, as level - 8, so that x's rounding errors meet weights of either
+ * sign, as int8's do: with levels 0..15 they all add up one way, measured to double the
+ * error. sum_k (level_k - 8) xq_k is the int32 sum of level_k xq_k less 8 sum_k xq_k.)
+ * The error against float32 activations is int8's rounding of x, ~0.3% of a group's largest
+ * value, the same as llama.cpp's on these formats.
+ *
+ * Layout: 8 output channels (float32 lanes) at a time, per group, 4 consecutive inputs a
+ * channel per 32-bit lane, the order vpmaddubsw + vpmaddwd sum in:
+ *   int4  qw [N/8, K/32, 8 quads, 16 bytes]: in quad j (inputs 4j..4j+3 of the group), byte b
+ *         holds channel b/4's level of input 4j + b%4 in its low nibble and channel 4 + b/4's
+ *         in its high nibble: one load, a shift and a mask give the 32 levels of a quad;
+ *         sc [N/8, K/32, 2, 8] float16: the group's scale, then its minimum, per channel;
+ *   int8  qw [N/8, K/32, 8 quads, 32 bytes]: byte 4c + i = channel c's level of input 4j + i;
+ *         sc [N/8, K/32, 8] float16 scales.
+ * vpmaddubsw takes unsigned bytes times signed ones: int4 levels are unsigned already; int8
+ * levels give their magnitude, and x takes their sign (vpsignb), as llama.cpp does.
+ * Each quad's levels serve every row of a pass (up to ROWS rows, whose sums and outputs stay
+ * in registers). Tasks: one per 8 output channels, statically spread.
+ *
+ * x [M, K] float32, y [M, N] float32; K % 32 == 0, N % 8 == 0.
+ * Returns 0; 1 if a buffer could not be allocated; 2 if this build has no AVX2/FMA/F16C or
+ * bits is neither 4 nor 8.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+
+#define GROUP 32
+#define LANES 8
+#define ROWS 4 /* rows a pass: 4 int32 sums + 4 outputs + the levels stay in 16 registers */
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define HAVE_AVX2_KERNEL 1
+
+/* Row m of x, group by group: xq the levels (int8), d the scale, s the float sum, c the
+ * centring term of int4 levels, 8 d sum_k xq_k. */
+static void quantize_row(const float *x, int64_t K, int8_t *xq, float *d, float *s, float *c)
+{
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int64_t g = 0; g < K / GROUP; g++) {
+        const float *v = x + g * GROUP;
+        __m256 a[4], top = _mm256_setzero_ps(), sum = _mm256_setzero_ps();
+        for (int i = 0; i < 4; i++) {
+            a[i] = _mm256_loadu_ps(v + 8 * i);
+            top = _mm256_max_ps(top, _mm256_andnot_ps(sign, a[i]));
+            sum = _mm256_add_ps(sum, a[i]);
+        }
+        __m128 t = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+        t = _mm_max_ps(t, _mm_movehl_ps(t, t));
+        t = _mm_max_ss(t, _mm_movehdup_ps(t));
+        const float amax = _mm_cvtss_f32(t);
+        __m128 u = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
+        u = _mm_add_ps(u, _mm_movehl_ps(u, u));
+        u = _mm_add_ss(u, _mm_movehdup_ps(u));
+        d[g] = amax / 127.0f;
+        s[g] = _mm_cvtss_f32(u);
+        const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+        __m256i q[4];
+        for (int i = 0; i < 4; i++) /* rounds to nearest even, as the reference does */
+            q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(a[i], inv));
+        const __m256i qs = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]),
+                                            _mm256_add_epi32(q[2], q[3]));
+        __m128i h = _mm_add_epi32(_mm256_castsi256_si128(qs), _mm256_extracti128_si256(qs, 1));
+        h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
+        h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xB1));
+        c[g] = 8.0f * d[g] * (float)_mm_cvtsi128_si32(h);
+        /* packs work within 128-bit lanes: the permute puts the 32 bytes back in order */
+        const __m256i w = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]),
+                                             _mm256_packs_epi32(q[2], q[3]));
+        _mm256_storeu_si256((__m256i *)(xq + g * GROUP), _mm256_permutevar8x32_epi32(w, order));
+    }
+}
+
+/* Rows m0 .. m0+R-1 of y for channels 8b .. 8b+7 (R a constant: the row loops unroll).
+ * qw, sc: this block's levels and scales; xq [M, K], d, s and c [M, K/32]; out: [R, 8]. */
+static inline __attribute__((always_inline)) void
+block_rows(int bits, const int8_t *xq, const float *d, const float *s, const float *c, int64_t K,
+           const uint8_t *qw, const uint16_t *sc, int64_t m0, const int R, float *out)
+{
+    const int64_t groups = K / GROUP;
+    const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    __m256 y[ROWS];
+    for (int r = 0; r < R; r++)
+        y[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        __m256i acc[ROWS];
+        for (int r = 0; r < R; r++)
+            acc[r] = _mm256_setzero_si256();
+        for (int j = 0; j < GROUP / 4; j++) {
+            __m256i w, sign = _mm256_setzero_si256();
+            if (bits == 4) {
+                const __m128i b = _mm_loadu_si128((const __m128i *)(qw + (g * 8 + j) * 16));
+                w = _mm256_and_si256(
+                    _mm256_inserti128_si256(_mm256_castsi128_si256(b), _mm_srli_epi16(b, 4), 1),
+                    low4);
+            } else {
+                sign = _mm256_loadu_si256((const __m256i *)(qw + (g * 8 + j) * 32));
+                w = _mm256_abs_epi8(sign);
+            }
+            for (int r = 0; r < R; r++) {
+                __m256i xv = _mm256_set1_epi32(
+                    *(const int32_t *)(xq + (m0 + r) * K + g * GROUP + 4 * j));
+                if (bits == 8)
+                    xv = _mm256_sign_epi8(xv, sign);
+                acc[r] = _mm256_add_epi32(
+                    acc[r], _mm256_madd_epi16(_mm256_maddubs_epi16(w, xv), ones));
+            }
+        }
+        const uint16_t *gs = sc + g * (bits == 4 ? 2 * LANES : LANES);
+        const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)gs));
+        /* int4: the minimum of centred levels, minimum + 8 scale */
+        const __m256 minimum = bits == 4
+            ? _mm256_fmadd_ps(_mm256_set1_ps(8.0f), scale,
+                              _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(gs + LANES))))
+            : _mm256_setzero_ps();
+        for (int r = 0; r < R; r++) {
+            const int64_t at = (m0 + r) * groups + g;
+            if (bits == 4) {
+                const __m256 dot = _mm256_fmsub_ps(_mm256_set1_ps(d[at]),
+                                                   _mm256_cvtepi32_ps(acc[r]),
+                                                   _mm256_set1_ps(c[at]));
+                y[r] = _mm256_fmadd_ps(minimum, _mm256_set1_ps(s[at]),
+                                       _mm256_fmadd_ps(scale, dot, y[r]));
+            } else {
+                y[r] = _mm256_fmadd_ps(_mm256_mul_ps(scale, _mm256_set1_ps(d[at])),
+                                       _mm256_cvtepi32_ps(acc[r]), y[r]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        _mm256_storeu_ps(out + r * LANES, y[r]);
+}
+
+/* One pass of `rows` (1..ROWS) rows, with bits and R made compile-time constants. */
+static void pass(int bits, const int8_t *xq, const float *d, const float *s, const float *c,
+                 int64_t K,
+                 const uint8_t *qw, const uint16_t *sc, int64_t m0, int64_t rows, float *out)
+{
+#define CASE(n)                                                                                   \
+    case n:                                                                                       \
+        if (bits == 4)                                                                            \
+            block_rows(4, xq, d, s, c, K, qw, sc, m0, n, out);                                    \
+        else                                                                                      \
+            block_rows(8, xq, d, s, c, K, qw, sc, m0, n, out);                                    \
+        break;
+    switch (rows) {
+        CASE(1) CASE(2) CASE(3) CASE(4)
+    }
+#undef CASE
+}
+#else
+#define HAVE_AVX2_KERNEL 0
+#endif
+
+int group_gemm_avx2_supported(void) { return HAVE_AVX2_KERNEL; }
+
+int group_gemm_avx2(float *y, const float *x, int64_t M, int64_t K, const void *qw,
+                    const void *sc, int64_t N, int64_t bits, int64_t num_threads)
+{
+#if HAVE_AVX2_KERNEL
+    if (bits != 4 && bits != 8)
+        return 2;
+    const int64_t groups = K / GROUP;
+    int8_t *xq = malloc(M * K);
+    float *d = malloc(sizeof(float) * 3 * M * groups); /* then s, then c */
+    if (xq == NULL || d == NULL) {
+        free(xq), free(d);
+        return 1;
+    }
+    float *s = d + M * groups, *c = s + M * groups;
+    const int64_t level_bytes = bits == 4 ? K / 2 : K;                /* a channel's */
+    const int64_t scales = bits == 4 ? 2 * groups : groups;          /* (and minimums) */
+#pragma omp parallel num_threads(num_threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++)
+            quantize_row(x + m * K, K, xq + m * K, d + m * groups, s + m * groups,
+                         c + m * groups);
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < N / LANES; b++) {
+            const uint8_t *q = (const uint8_t *)qw + b * level_bytes * LANES;
+            const uint16_t *bs = (const uint16_t *)sc + b * scales * LANES;
+            float out[ROWS * LANES];
+            for (int64_t m0 = 0; m0 < M; m0 += ROWS) {
+                const int64_t rows = M - m0 < ROWS ? M - m0 : ROWS;
+                pass((int)bits, xq, d, s, c, K, q, bs, m0, rows, out);
+                for (int64_t r = 0; r < rows; r++)
+                    _mm256_storeu_ps(y + (m0 + r) * N + b * LANES,
+                                     _mm256_loadu_ps(out + r * LANES));
+            }
+        }
+    }
+    free(xq), free(d);
+    return 0;
+#else
+    (void)y, (void)x, (void)M, (void)K, (void)qw, (void)sc, (void)N, (void)bits,
+        (void)num_threads;
+    return 2;
+#endif
+}
