@@ -1,6 +1,8 @@
 """From a model name to a ready model: resolve, load weights and tokenizer, pick the dtype."""
 from __future__ import annotations
 
+import collections
+import logging
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -18,6 +20,8 @@ from chunkserve.model.models.registry import architecture
 from chunkserve.model.parallel import check_tp_size, shard_config, shard_weights, tp_shard
 from chunkserve.model.tp_layers import Collectives, parallelize
 from chunkserve.tokenizer.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -138,7 +142,29 @@ def load_model(
                  device=dev, quantization=quant, ops=make_layer_ops(dev))
     if shard is not None:
         parallelize(model, tp_group, shard)  # type: ignore[arg-type]
+    if quant is not None:
+        logger.info("weights %s (quantization %s, %s activations): %s", name, quantization,
+                    str(torch_dtype).removeprefix("torch."), weight_formats(model))
     return LoadedModel(path, config, model, tokenizer, max_model_len)
+
+
+def weight_formats(model: LlamaForCausalLM) -> str:
+    """Which kernel multiplies how many linears, e.g. "int4 on the avx2 group GEMM: 120; int8
+    on the avx2 group GEMM: 1": what `auto` picked on this CPU, for the log."""
+    linears = [x for layer in [*model.layers, model] for x in vars(layer).values()
+               if hasattr(x, "weight_bytes") and hasattr(x, "shape")]
+    counts = collections.Counter(_format_name(x) for x in linears)
+    return "; ".join(f"{k}: {n}" for k, n in counts.items())
+
+
+def _format_name(linear: object) -> str:
+    kernel = getattr(linear, "kernel", None)
+    if kernel is None:
+        return "dense"
+    bits = "int4" if type(linear).__name__ == "Int4Linear" else "int8"
+    if isinstance(kernel, group_gemm.GroupGemm):
+        return f"{bits} on the {kernel.kernel.name} group GEMM"
+    return f"{bits} on PyTorch's {type(kernel).__name__}"
 
 
 def load_configured(mc: ModelConfig, tp_group: Collectives | None = None) -> LoadedModel:
