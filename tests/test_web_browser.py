@@ -121,41 +121,62 @@ def test_a_long_prompt_is_chunked_while_a_stream_keeps_decoding(page, server):
     shot = os.environ.get("CHUNKSERVE_WEB_SCREENSHOT")
     if shot:
         page.locator("#engine").screenshot(path=shot)
-    # The view's own state: each chunk of the long prompt a step of its own, each with decodes.
-    steps = page.evaluate("""() => view.steps.filter((s) => s.chunks && s.chunks.some(
-        (c) => c[1] >= 32)).map((s) => [s.step, s.decode_tokens, s.chunks.length])""")
+    # The view's own state: the long prompt's chunks, drawn from the server's lane spans, each
+    # in a step of its own, each step with decodes; the streams decoding on other lanes.
+    e = page.evaluate("""() => { const e = view.engines.get(0);
+        return {steps: e.steps.map((s) => [s.start, s.step, s.decode_tokens]),
+                spans: e.spans.concat(e.open).map((s) => [s.kind, s.request_id, s.slot, s.start,
+                                                          (s.args || {}).tokens || 0])}; }""")
     page.click("#stop")
     for t in others:
         t.join(60)
-    assert len(steps) >= 4, steps
-    assert len({s[0] for s in steps}) == len(steps)  # separate steps
-    assert all(decode >= 1 for _, decode, _ in steps), steps  # the stream kept producing
+    steps = {start: (step, decode) for start, step, decode in e["steps"]}
+    chunks: dict[str, list] = {}
+    for kind, rid, slot, start, tokens in e["spans"]:
+        if kind == "prefill" and tokens >= 32:
+            chunks.setdefault(rid, []).append((slot, steps[start]))
+    long_rid, long_chunks = max(chunks.items(), key=lambda kv: len(kv[1]))
+    assert len(long_chunks) >= 4, chunks
+    assert len({step for _, (step, _) in long_chunks}) == len(long_chunks)  # separate steps
+    assert all(decode >= 1 for _, (_, decode) in long_chunks), long_chunks  # streams went on
+    assert len({slot for slot, _ in long_chunks}) == 1  # one request, one lane
+    decoding = {slot for kind, rid, slot, _, _ in e["spans"]
+                if kind == "decode" and rid != long_rid}
+    assert decoding and long_chunks[0][0] not in decoding  # the streams, on lanes of their own
     server.wait_for(lambda m: m.idle, timeout=10)
 
 
-def test_lanes_follow_each_request_in_the_lowest_free_slot(page):
-    # The events the records will carry with the timeline's fields, fed to the page's own
-    # handler: lanes as the trace's timeline export draws them.
-    lanes = page.evaluate("""() => {
-        const step = (n, extra) => ({step: n, engine: 0, start: 100 + n * 0.01, duration: 0.01,
-            prefill_tokens: 0, decode_tokens: 0, budget: 64, preemptions: 0, ...extra});
-        const summary = (steps) => ({steps, kv_usage: 0, waiting: 0, running: 0, engine: 0});
-        onSummary({hello: {events: ["arrived", "admitted", "chunks", "sampled", "preempted",
-                                    "finished"], interval_s: 0.05}});
-        onSummary(summary([
-            step(0, {arrived: [["t-a", 99.9, 100], ["t-b", 99.95, 50]], admitted: ["t-a"],
-                     chunks: [["t-a", 64, 0]]}),
-            step(1, {admitted: ["t-b"], chunks: [["t-a", 36, 64], ["t-b", 50, 0]],
-                     sampled: ["t-a", "t-b"]}),
-            step(2, {finished: ["t-a"]})]));
-        onSummary(summary([step(3, {arrived: [["t-c", 100.025, 10]], preempted: ["t-b"],
-                                    preemptions: 1})]));
-        const lane = (rid) => { const r = view.requests.get(rid);
-            return {slot: r.slot, phase: r.phase, done: r.done, spans: r.spans.map((s) => s[0])}; };
-        return {a: lane("t-a"), b: lane("t-b"), c: lane("t-c")};
+def test_a_data_parallel_stream_draws_a_timeline_per_engine(page):
+    # One engine: one timeline, unlabelled, as the page always looked.
+    assert page.evaluate("() => [...document.querySelectorAll('.timeline h3')].map("
+                         "(h) => h.hidden)") == [True]
+    # Summaries from two engines, as `serve --data-parallel-size 2` sends them, fed to the
+    # page's own handler: engine 1's request r on slot 2, a chunk then decoding (still open).
+    page.evaluate("""() => {
+        const summary = (engine, t) => ({engine, kv_usage: 0.1 * (engine + 1), waiting: engine,
+            running: 2, steps: [{step: 1, engine, start: t - 0.01, duration: 0.01,
+                prefill_tokens: 0, decode_tokens: 2, budget: 64, preemptions: 0}],
+            spans: [{kind: "prefill", request_id: "r", slot: 2, start: t - 0.5, end: t - 0.4}],
+            instants: [{kind: "first token", request_id: "r", slot: 2, at: t - 0.4}],
+            open: [{kind: "decode", request_id: "r", slot: 2, start: t - 0.4}]});
+        onSummary(summary(1, 50));
+        onSummary(summary(0, 1000));
     }""")
-    a, b, c = lanes["a"], lanes["b"], lanes["c"]
-    assert a["spans"] == ["waiting", "prefill", "prefill", "decode"] and a["done"]
-    assert c["slot"] == a["slot"] != b["slot"]  # a's slot, freed at its end, is the lowest
-    assert b["spans"] == ["waiting", "prefill", "decode", "preempted"] and b["phase"] == "waiting"
-    assert c["phase"] == "waiting" and not c["done"]
+    time.sleep(0.2)  # a few frames drawn
+    drawn = page.evaluate("""() => [...document.querySelectorAll('.timeline')].map((box) => {
+        const c = box.querySelector('canvas.lanes'), g = c.getContext('2d');
+        const e = view.engines.get(Number(box.dataset.engine)), now = engineNow(e);
+        const x = (t) => Math.round(c.width - (now - t) / WINDOW_S * c.width);
+        const px = (t) => Array.from(g.getImageData(x(t), 2 * LANE_H + 5, 1, 1).data.slice(0, 3));
+        const h = box.querySelector('h3');
+        return {engine: e.id, label: h.hidden ? null : h.textContent, height: c.height,
+                chunk: px(1000 * (e.id === 0) + 50 * (e.id === 1) - 0.45), latest: px(now - 0.05)};
+    })""")
+    assert [d["engine"] for d in drawn] == [0, 1]
+    assert drawn[1]["label"] == "engine 1: KV 20.0%, waiting 1, running 2"
+    assert drawn[0]["label"].startswith("engine 0: ")
+    for d in drawn:
+        assert d["height"] == 8 * 12  # at least 8 lanes; slot 2 needs 3
+        assert d["chunk"] == [251, 140, 0], d  # the chunk, orange, on slot 2's lane
+        assert d["latest"] == [30, 136, 229], d  # the open decode span reaches "now"
+    assert page.text_content("#running") == "4"  # the engines' figures together

@@ -48,6 +48,19 @@ def test_page_fetches_nothing_from_elsewhere():
         assert "@import" not in text and "url(" not in text, name
 
 
+def test_scripts_share_no_global_name():
+    # The page's scripts are classic scripts in one global scope: a function declared in two of
+    # them silently replaces the first (engine.js's stats once replaced the chat's).
+    web = resources.files("chunkserve.serve").joinpath("web")
+    seen: dict[str, str] = {}
+    for name in sorted(n for n in WEB_FILES if n.endswith(".js")):
+        text = web.joinpath(name).read_text()
+        for g in re.findall(r"^(?:async\s+)?(?:function|const|let|var|class)\s+([\w$]+)",
+                            text, re.M):
+            assert g not in seen, f"{g} is global in both {seen[g]} and {name}"
+            seen[g] = name
+
+
 def test_unknown_files_and_the_stream_need_the_key(server):
     assert_error(httpx.get(server.url + "/web/secret.txt", timeout=HTTP_TIMEOUT_S), 401)
     r = httpx.get(server.url + "/web/secret.txt", headers=server.headers(), timeout=HTTP_TIMEOUT_S)

@@ -7,7 +7,8 @@ What it shows (docs/trace.md walks through it):
   counter tracks for waiting, running, KV usage and preemptions (total);
 - process "requests": a lane per request slot, so a thousand requests stay readable. A request
   holds the lowest free slot from its arrival to its end, and its lane shows it waiting, each
-  prefill chunk, and decoding, with instants for its first token and for a preemption.
+  prefill chunk, and decoding, with instants for its first token and for a preemption (the
+  rule is engine/lanes.py's, which the web page's live view uses too).
 A simulated run says so in its process names and runs on the virtual clock, so a real and a
 simulated run of one workload can be opened side by side.
 
@@ -16,11 +17,10 @@ trace taken earlier converts to the same events as one written directly.
 """
 from __future__ import annotations
 
-import heapq
 import json
-from dataclasses import dataclass
 from typing import IO, Any
 
+from chunkserve.engine.lanes import LaneEvent, LaneInstant, Lanes
 from chunkserve.engine.trace import StepRecord, open_for_writing
 
 ENGINE_PID, REQUESTS_PID = 1, 2
@@ -32,25 +32,12 @@ def _us(seconds: float) -> float:
     return round(seconds * 1e6, 3)  # the format's unit; ns precision keeps the output stable
 
 
-@dataclass
-class _Request:
-    slot: int
-    phase: str  # "waiting", "running" (admitted: between chunks) or "decode"
-    since: float  # when the open span began (seconds, engine clock)
-    arrival: float
-    prompt_tokens: int
-    chunks: int = 0
-    first_token: float | None = None
-
-
 class Timeline:
     """Trace events from step records, given one at a time, in step order."""
 
     def __init__(self, simulated: bool = False) -> None:
         self.simulated = simulated
-        self._requests: dict[str, _Request] = {}
-        self._free: list[int] = []  # freed slots, lowest first
-        self._slots = 0
+        self._lanes = Lanes()  # the request lanes' rule, shared with the web page's stream
         self._preemptions = 0
         self._t0: float | None = None
         self._end = 0.0
@@ -69,104 +56,23 @@ class Timeline:
         if self._t0 is None:
             self._t0 = min([start, *(a[1] for a in rec.arrived_requests)])
         self._end = end
+        slots = self._lanes.num_slots
+        lane_events = self._lanes.add(rec)
         events: list[Event] = []
-        for rid, arrival, prompt_tokens in rec.arrived_requests:
-            self._arrive(rid, arrival, prompt_tokens, events)
-        for rid in rec.preempted_requests:
-            self._preempt(rid, start, events)
-        for rid in rec.admitted_requests:
-            self._leave_queue(rid, start, events)
-        chunked = set()
-        for rid, tokens, cached in rec.prefill_requests:
-            chunked.add(rid)
-            self._chunk(rid, tokens, cached, start, end, events)
-        for rid in rec.admitted_requests:  # swapped back in: it decodes at once
-            r = self._requests.get(rid)
-            if r is not None and rid not in chunked and r.first_token is not None:
-                r.phase, r.since = "decode", start
-        for rid in rec.sampled_prefills:
-            self._first_token_or_resume(rid, end, events)
-        for rid in rec.finished_requests:
-            self._finish(rid, end, events)
+        for slot in range(slots, self._lanes.num_slots):  # lanes first used in this step
+            events.append(metadata_event("thread_name", REQUESTS_PID, slot + 1, f"slot {slot}"))
+            events.append(metadata_event("thread_sort_index", REQUESTS_PID, slot + 1, slot,
+                                         key="sort_index"))
+        for lane_event in lane_events:
+            events.append(self._lane_event(lane_event))
+            self._preemptions += lane_event.kind == "preempted"
         events.append(self._step_event(rec, start))
         events += self._counters(rec, start)
         return events
 
     def finish(self) -> list[Event]:
         """Spans still open at the last step's end (a run stopped mid-way), closed there."""
-        events: list[Event] = []
-        for rid in list(self._requests):
-            self._close(rid, self._end, events, open_at_end=True)
-            self._release(rid)
-        return events
-
-    # ---- requests ----------------------------------------------------------------------------
-    def _arrive(self, rid: str, arrival: float, prompt_tokens: int, events: list[Event]) -> None:
-        if self._free:
-            slot = heapq.heappop(self._free)
-        else:
-            slot, self._slots = self._slots, self._slots + 1
-            events.append(metadata_event("thread_name", REQUESTS_PID, slot + 1, f"slot {slot}"))
-            events.append(metadata_event("thread_sort_index", REQUESTS_PID, slot + 1, slot,
-                                key="sort_index"))
-        self._requests[rid] = _Request(slot, "waiting", arrival, arrival, prompt_tokens)
-
-    def _preempt(self, rid: str, at: float, events: list[Event]) -> None:
-        r = self._requests.get(rid)
-        if r is None:
-            return
-        self._close(rid, at, events)
-        self._preemptions += 1
-        events.append(self._instant("preempted", r, at, {"request_id": rid}))
-        r.phase, r.since = "waiting", at
-
-    def _leave_queue(self, rid: str, at: float, events: list[Event]) -> None:
-        r = self._requests.get(rid)
-        if r is not None and r.phase == "waiting":
-            self._close(rid, at, events)
-            r.phase, r.since = "running", at
-
-    def _chunk(self, rid: str, tokens: int, cached: int, start: float, end: float,
-               events: list[Event]) -> None:
-        r = self._requests.get(rid)
-        if r is None:
-            return
-        self._leave_queue(rid, start, events)  # a trace without admissions (older files)
-        r.chunks += 1
-        events.append(self._span("prefill", r, start, end, {
-            "request_id": rid, "tokens": tokens, "start": cached, "chunk": r.chunks}))
-        r.phase, r.since = "running", end
-
-    def _first_token_or_resume(self, rid: str, at: float, events: list[Event]) -> None:
-        r = self._requests.get(rid)
-        if r is None:
-            return
-        if r.first_token is None:
-            r.first_token = at
-            events.append(self._instant("first token", r, at, {
-                "request_id": rid, "ttft_ms": round((at - r.arrival) * 1e3, 3),
-                "chunks": r.chunks}))
-        r.phase, r.since = "decode", at
-
-    def _finish(self, rid: str, at: float, events: list[Event]) -> None:
-        if rid in self._requests:
-            self._close(rid, at, events)
-            self._release(rid)
-
-    def _close(self, rid: str, at: float, events: list[Event], open_at_end: bool = False) -> None:
-        """Ends the request's open span (waiting or decode) at `at`."""
-        r = self._requests[rid]
-        if r.phase == "running" or at <= r.since:
-            return  # between chunks nothing is open; a zero-length span says nothing
-        args: dict[str, Any] = {"request_id": rid}
-        if r.phase == "waiting":
-            args["prompt_tokens"] = r.prompt_tokens
-        if open_at_end:
-            args["open_at_end"] = True
-        events.append(self._span(r.phase, r, r.since, at, args))
-
-    def _release(self, rid: str) -> None:
-        heapq.heappush(self._free, self._requests.pop(rid).slot)
+        return [self._lane_event(span) for span in self._lanes.finish(self._end)]
 
     # ---- events ------------------------------------------------------------------------------
     def ts(self, t: float) -> float:
@@ -174,16 +80,17 @@ class Timeline:
         assert self._t0 is not None
         return _us(max(0.0, t - self._t0))
 
-    def _span(self, name: str, r: _Request, start: float, end: float,
-              args: dict[str, Any]) -> Event:
-        ts = self.ts(start)
-        return {"name": name, "cat": "request", "ph": "X", "ts": ts,
-                "dur": max(0.0, round(self.ts(end) - ts, 3)), "pid": REQUESTS_PID,
-                "tid": r.slot + 1, "args": args}
-
-    def _instant(self, name: str, r: _Request, at: float, args: dict[str, Any]) -> Event:
-        return {"name": name, "cat": "request", "ph": "i", "s": "t", "ts": self.ts(at),
-                "pid": REQUESTS_PID, "tid": r.slot + 1, "args": args}
+    def _lane_event(self, e: LaneEvent) -> Event:
+        """A lane span as a complete event, an instant as an instant, on the slot's lane."""
+        args = {"request_id": e.request_id, **e.args}
+        if isinstance(e, LaneInstant):
+            return {"name": e.kind, "cat": "request", "ph": "i", "s": "t", "ts": self.ts(e.at),
+                    "pid": REQUESTS_PID, "tid": e.slot + 1, "args": args}
+        assert e.end is not None  # closed spans only: open ones are closed by `finish`
+        ts = self.ts(e.start)
+        return {"name": e.kind, "cat": "request", "ph": "X", "ts": ts,
+                "dur": max(0.0, round(self.ts(e.end) - ts, 3)), "pid": REQUESTS_PID,
+                "tid": e.slot + 1, "args": args}
 
     def _step_event(self, rec: StepRecord, start: float) -> Event:
         shape = ("mixed" if rec.num_prefill_tokens and rec.num_decode_tokens

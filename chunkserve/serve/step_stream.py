@@ -3,11 +3,16 @@
 Every engine step's record already reaches the server (AsyncEngine._handle, where the metrics
 observe it); `StepStream.observe` is called at that same point. A person watching a page needs
 at most ~20 pictures a second, while the engine may step a thousand times a second, so the
-records are decimated: `StepWindow` folds the records of each 50 ms window into one summary.
+records are decimated: `StepWindow` folds the records of each 50 ms window into one summary,
+one window per engine (`--data-parallel-size`).
+
+The request lanes are drawn from here too: each window runs its engine's records through
+engine/lanes.py, the rule the Perfetto timeline uses, and its summaries carry the spans that
+closed, the instants, and the spans still open; the page only draws them.
 
 Nobody watching costs one attribute check a step: `observe` returns at once while there is no
-subscriber, and each subscriber's records are summarized on the event loop, not the engine's
-thread.
+subscriber, and each subscriber's records are summarized (lanes included) on the event loop,
+not the engine's thread.
 """
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ import collections
 from collections.abc import AsyncIterator
 from typing import Any
 
+from chunkserve.engine.lanes import LaneEvent, Lanes, LaneSpan
 from chunkserve.engine.trace import StepRecord
 
 INTERVAL_S = 0.05  # 20 summaries a second at most
@@ -45,19 +51,41 @@ def step_summary(record: StepRecord, engine: int) -> dict[str, Any]:
     return step
 
 
-class StepWindow:
-    """Decimation: records in, at most one summary per `interval` seconds out. Pure (the caller
-    gives the time), so tests drive it with made-up clocks."""
+def lane_json(e: LaneEvent) -> dict[str, Any]:
+    """A lane span or instant as the page gets it: times on the engine clock, as the steps'."""
+    out: dict[str, Any] = {"kind": e.kind, "request_id": e.request_id, "slot": e.slot}
+    if isinstance(e, LaneSpan):
+        out["start"] = e.start
+        if e.end is not None:  # an open span has none: the page draws it up to "now"
+            out["end"] = e.end
+    else:
+        out["at"] = e.at
+    if e.args:
+        out["args"] = e.args
+    return out
 
-    def __init__(self, interval: float = INTERVAL_S) -> None:
+
+class StepWindow:
+    """Decimation for one engine: records in, at most one summary per `interval` seconds out,
+    with that engine's request lanes. Pure (the caller gives the time), so tests drive it with
+    made-up clocks."""
+
+    def __init__(self, interval: float = INTERVAL_S, engine: int = 0) -> None:
         self.interval = interval
+        self.engine = engine
+        # A page opens mid-run: requests already running are adopted at their next chunk.
+        self._lanes = Lanes(adopt=True)
         self._steps: list[dict[str, Any]] = []
-        self._latest: tuple[StepRecord, int] | None = None
+        self._spans: list[dict[str, Any]] = []
+        self._instants: list[dict[str, Any]] = []
+        self._latest: StepRecord | None = None
         self._last_emit: float | None = None
 
-    def add(self, record: StepRecord, engine: int = 0) -> None:
-        self._steps.append(step_summary(record, engine))
-        self._latest = (record, engine)
+    def add(self, record: StepRecord) -> None:
+        self._steps.append(step_summary(record, self.engine))
+        for e in self._lanes.add(record):
+            (self._spans if isinstance(e, LaneSpan) else self._instants).append(lane_json(e))
+        self._latest = record
 
     def wait(self, now: float) -> float:
         """Seconds until a summary may be taken (0 when one may be taken now)."""
@@ -67,15 +95,17 @@ class StepWindow:
 
     def take(self, now: float) -> Summary | None:
         """The window's summary, if it has steps and its interval has passed; None otherwise
-        (the steps stay for the next window)."""
+        (the steps stay for the next window). `spans`: those closed in the window; `open`: the
+        spans open at its last step, each request's current one."""
         if not self._steps or self.wait(now) > 0:
             return None
-        assert self._latest is not None
-        record, engine = self._latest
+        record = self._latest
+        assert record is not None
         summary = {"steps": self._steps, "kv_usage": record.kv_usage,
                    "waiting": record.num_waiting, "running": record.num_running,
-                   "engine": engine}
-        self._steps = []
+                   "engine": self.engine, "spans": self._spans, "instants": self._instants,
+                   "open": [lane_json(span) for span in self._lanes.open_spans()]}
+        self._steps, self._spans, self._instants = [], [], []
         self._last_emit = now
         return summary
 
@@ -104,15 +134,20 @@ class StepStream:
         """Summaries from now on, until the consumer stops iterating (a disconnect)."""
         q: collections.deque[tuple[StepRecord, int]] = collections.deque(maxlen=MAX_PENDING)
         self._queues = (*self._queues, q)
-        window = StepWindow(self.interval)
+        windows: dict[int, StepWindow] = {}  # by engine: each has its own lanes and slots
         loop = asyncio.get_running_loop()
         try:
             while True:
                 while q:
-                    window.add(*q.popleft())
-                summary = window.take(loop.time())
-                if summary is not None:
-                    yield summary
+                    record, engine = q.popleft()
+                    window = windows.get(engine)
+                    if window is None:
+                        window = windows[engine] = StepWindow(self.interval, engine)
+                    window.add(record)
+                for engine in sorted(windows):
+                    summary = windows[engine].take(loop.time())
+                    if summary is not None:
+                        yield summary
                 await asyncio.sleep(self.interval)
         finally:
             self._queues = tuple(x for x in self._queues if x is not q)

@@ -72,7 +72,8 @@ async def engine_steps(raw: Request) -> StreamingResponse:
 
 async def _events(stream: StepStream) -> AsyncIterator[str]:
     # First what the summaries will hold, at once: the page sees the stream open before the
-    # engine has stepped, and knows whether its lanes can show waiting and decoding.
+    # engine has stepped. `events` are the steps' request events, for readers other than the
+    # page, which draws the lanes from the summaries' spans (serve/step_stream.py).
     yield sse({"hello": {"events": list(RECORD_EVENTS), "interval_s": INTERVAL_S}})
     async with contextlib.aclosing(stream.summaries()) as summaries:
         async for summary in summaries:

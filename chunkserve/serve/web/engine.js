@@ -1,91 +1,86 @@
-// The live engine view: the step stream (/engine/steps, one summary per 50 ms at most) drawn as
-// a scrolling timeline of steps and a lane per request slot, as the trace's timeline shows them.
+// The live engine view: the step stream (/engine/steps, one summary per engine per 50 ms at
+// most) drawn as a scrolling timeline per engine: its steps, and a lane per request slot.
+// The lanes are the server's: it runs the trace timeline's slot rule (engine/lanes.py) over the
+// records and sends the spans with their slots; this page only draws what it is sent.
 "use strict";
 
 const WINDOW_S = 10;  // seconds of engine time on screen
 const LANE_H = 12;    // pixels per request lane
 const COLORS = { decode: "#1e88e5", prefill: "#fb8c00", budget: "#e53935", waiting: "#cfd8dc",
-                 preempted: "#e53935" };
+                 preempted: "#e53935", "first token": "#0d47a1" };
 const view = {
-  steps: [],              // step summaries on screen, oldest first
-  requests: new Map(),    // request id -> {slot, spans, phase, since, sampled, done}
-  slots: [],              // slot -> request id, or null when free
-  clock: null,            // {engine, wall}: the latest step's end, and when it was received
+  engines: new Map(),  // engine id -> its timeline (addEngine), one per --data-parallel-size
   preemptions: 0,
 };
 
-// ---- requests: the lanes ----------------------------------------------------------------------
-// A request holds the lowest free slot from its arrival to its end (the timeline export's rule).
-function request(rid, at) {
-  let r = view.requests.get(rid);
-  if (!r) {
-    let slot = view.slots.indexOf(null);
-    if (slot < 0) { slot = view.slots.length; view.slots.push(null); }
-    view.slots[slot] = rid;
-    r = { slot, spans: [], phase: "running", since: at, sampled: false, done: false };
-    view.requests.set(rid, r);
-  }
-  return r;
+// ---- one timeline per engine ------------------------------------------------------------------
+function newCanvas(className, height) {
+  const c = document.createElement("canvas");
+  c.className = className; c.width = 760; c.height = height;
+  return c;
 }
 
-function phase(r, name, at) {  // ends the open span (waiting or decode) and opens `name`
-  if (r.phase !== "running" && at > r.since) r.spans.push([r.phase, r.since, at]);
-  r.phase = name; r.since = at;
+function addEngine(id) {
+  const label = document.createElement("h3");
+  label.textContent = "engine " + id;
+  const box = document.createElement("div");
+  box.className = "timeline";
+  box.dataset.engine = id;
+  const stepsCanvas = newCanvas("steps", 180), lanesCanvas = newCanvas("lanes", 200);
+  box.append(label, stepsCanvas, lanesCanvas);
+  const after = [...$("timelines").children].find((b) => Number(b.dataset.engine) > id);
+  $("timelines").insertBefore(box, after || null);
+  const e = { id, label, stepsCanvas, lanesCanvas,
+              steps: [],      // step summaries on screen, oldest first
+              spans: [],      // closed lane spans on screen: {kind, request_id, slot, start, end}
+              instants: [],   // {kind, request_id, slot, at}
+              open: [],       // spans open at the engine's latest step: {kind, ..., start}
+              slots: 0,       // lanes to draw: the highest slot seen + 1
+              clock: null,    // {engine, wall}: the latest step's end, and when it was received
+              stats: { kv: 0, waiting: 0, running: 0 } };
+  view.engines.set(id, e);
+  // One engine looks as it always did; with several, each timeline says whose it is.
+  for (const other of view.engines.values()) other.label.hidden = view.engines.size < 2;
+  return e;
 }
 
-function release(r, at) {
-  phase(r, "running", at);
-  r.done = true;
-  view.slots[r.slot] = null;
-}
-
-function applyEvents(s) {
-  const start = s.start, end = s.start + s.duration;
-  for (const [rid, arrival] of s.arrived || []) phase(request(rid, arrival), "waiting", arrival);
-  for (const rid of s.preempted || []) {
-    const r = view.requests.get(rid);
-    if (r) { phase(r, "waiting", start); r.spans.push(["preempted", start, start]); }
-  }
-  for (const rid of s.admitted || []) {
-    const r = view.requests.get(rid);
-    if (r && r.phase === "waiting") phase(r, "running", start);
-  }
-  const chunked = new Set();
-  for (const [rid] of s.chunks || []) {
-    const r = request(rid, start);
-    chunked.add(rid);
-    phase(r, "running", start);
-    r.spans.push(["prefill", start, end]);
-  }
-  for (const rid of s.admitted || []) {  // swapped back in after its first token: decodes at once
-    const r = view.requests.get(rid);
-    if (r && !chunked.has(rid) && r.sampled) phase(r, "decode", start);
-  }
-  for (const rid of s.sampled || []) {
-    const r = view.requests.get(rid);
-    if (r) { r.sampled = true; phase(r, "decode", end); }
-  }
-  for (const rid of s.finished || []) {
-    const r = view.requests.get(rid);
-    if (r && !r.done) release(r, end);
-  }
+function engineOf(id) {
+  return view.engines.get(id) || addEngine(id);
 }
 
 // ---- the stream -------------------------------------------------------------------------------
 function onSummary(summary) {
   if (summary.hello) return;
+  const e = engineOf(summary.engine || 0);
   for (const s of summary.steps) {
-    view.steps.push(s);
-    applyEvents(s);
+    e.steps.push(s);
     view.preemptions += s.preemptions;
   }
+  e.spans.push(...summary.spans);
+  e.instants.push(...summary.instants);
+  e.open = summary.open;
+  for (const x of [...summary.spans, ...summary.instants, ...summary.open]) {
+    e.slots = Math.max(e.slots, x.slot + 1);
+  }
   const last = summary.steps[summary.steps.length - 1];
-  view.clock = { engine: last.start + last.duration, wall: performance.now() };
-  $("kv").textContent = (summary.kv_usage * 100).toFixed(2) + "%";
-  $("kv-meter").value = summary.kv_usage;
-  $("waiting").textContent = summary.waiting;
-  $("running").textContent = summary.running;
+  e.clock = { engine: last.start + last.duration, wall: performance.now() };
+  e.stats = { kv: summary.kv_usage, waiting: summary.waiting, running: summary.running };
+  showEngineStats();
+}
+
+// The header's figures are the engines' together (KV: their mean, as their pools are equal).
+function showEngineStats() {
+  const all = [...view.engines.values()].map((e) => e.stats);
+  const kv = all.reduce((sum, s) => sum + s.kv, 0) / Math.max(1, all.length);
+  $("kv").textContent = (kv * 100).toFixed(2) + "%";
+  $("kv-meter").value = kv;
+  $("waiting").textContent = all.reduce((sum, s) => sum + s.waiting, 0);
+  $("running").textContent = all.reduce((sum, s) => sum + s.running, 0);
   $("preemptions").textContent = view.preemptions;
+  for (const e of view.engines.values()) {
+    e.label.textContent = `engine ${e.id}: KV ${(e.stats.kv * 100).toFixed(1)}%, ` +
+                          `waiting ${e.stats.waiting}, running ${e.stats.running}`;
+  }
 }
 
 let streamController = null;
@@ -112,8 +107,8 @@ async function connect() {
 }
 
 // ---- drawing ----------------------------------------------------------------------------------
-function engineNow() {
-  return view.clock ? view.clock.engine + (performance.now() - view.clock.wall) / 1000 : 0;
+function engineNow(e) {
+  return e.clock ? e.clock.engine + (performance.now() - e.clock.wall) / 1000 : 0;
 }
 
 // The canvas at its displayed size, so that nothing is drawn stretched (text stays sharp).
@@ -124,16 +119,16 @@ function fit(canvas, height) {
   return canvas.getContext("2d");
 }
 
-function drawSteps(now) {
-  const canvas = $("steps-canvas"), g = fit(canvas, canvas.height);
+function drawSteps(e, now) {
+  const canvas = e.stepsCanvas, g = fit(canvas, canvas.height);
   const W = canvas.width, H = canvas.height;
   g.clearRect(0, 0, W, H);
-  while (view.steps.length && view.steps[0].start + view.steps[0].duration < now - WINDOW_S) view.steps.shift();
+  while (e.steps.length && e.steps[0].start + e.steps[0].duration < now - WINDOW_S) e.steps.shift();
   let top = 1;
-  for (const s of view.steps) top = Math.max(top, s.budget || 0, s.prefill_tokens + s.decode_tokens);
+  for (const s of e.steps) top = Math.max(top, s.budget || 0, s.prefill_tokens + s.decode_tokens);
   top *= 1.1;
   const x = (t) => W - (now - t) / WINDOW_S * W, y = (tokens) => H - tokens / top * H;
-  for (const s of view.steps) {
+  for (const s of e.steps) {
     // A pixel's gap between wide bars, so that back-to-back steps read as separate steps.
     const x0 = x(s.start), full = s.duration / WINDOW_S * W, w = full >= 3 ? full - 1 : Math.max(1, full);
     g.fillStyle = COLORS.decode;
@@ -146,37 +141,42 @@ function drawSteps(now) {
   g.fillText(Math.round(top) + " tokens", 4, 12);
   g.fillText(WINDOW_S + " s ago", 4, H - 4);
   g.fillText("bar width = step duration", W - 140, 12);
-  const recent = view.steps.filter((s) => s.start > now - 1).length;
-  $("step-rate").textContent = recent;
 }
 
-function drawLanes(now) {
-  const canvas = $("lanes-canvas");
-  const g = fit(canvas, Math.max(8, view.slots.length) * LANE_H), height = canvas.height;
+function drawLanes(e, now) {
+  const canvas = e.lanesCanvas, g = fit(canvas, Math.max(8, e.slots) * LANE_H);
   const W = canvas.width;
-  g.clearRect(0, 0, W, height);
+  g.clearRect(0, 0, W, canvas.height);
   const x = (t) => W - (now - t) / WINDOW_S * W;
-  for (const [rid, r] of view.requests) {
-    const open = r.phase !== "running" && !r.done ? [[r.phase, r.since, now]] : [];
-    const spans = r.spans.concat(open);
-    if (r.done && spans.every(([, , end]) => end < now - WINDOW_S)) { view.requests.delete(rid); continue; }
-    const top = r.slot * LANE_H + 1;
-    for (const [name, start, end] of spans) {
-      g.fillStyle = COLORS[name];
-      if (name === "preempted") g.fillRect(x(start) - 1, top - 1, 3, LANE_H);
-      else g.fillRect(x(start), top + (name === "waiting" ? 3 : 0), Math.max(1, x(end) - x(start)),
-                      name === "waiting" ? LANE_H - 8 : LANE_H - 2);
-    }
+  e.spans = e.spans.filter((s) => s.end >= now - WINDOW_S);
+  e.instants = e.instants.filter((i) => i.at >= now - WINDOW_S);
+  for (const s of [...e.spans, ...e.open]) {  // an open span reaches up to now
+    const top = s.slot * LANE_H + 1, x0 = x(s.start), x1 = x(s.end === undefined ? now : s.end);
+    // Chunks get the steps' pixel gap, so that back-to-back chunks read as separate steps.
+    const w = s.kind === "prefill" && x1 - x0 >= 3 ? x1 - x0 - 1 : Math.max(1, x1 - x0);
+    g.fillStyle = COLORS[s.kind];
+    if (s.kind === "waiting") g.fillRect(x0, top + 3, w, LANE_H - 8);
+    else g.fillRect(x0, top, w, LANE_H - 2);
+  }
+  for (const i of e.instants) {
+    g.fillStyle = COLORS[i.kind];
+    g.fillRect(x(i.at) - 1, i.slot * LANE_H, i.kind === "preempted" ? 3 : 2, LANE_H);
   }
 }
 
 function draw() {
-  const now = engineNow();
-  drawSteps(now);
-  drawLanes(now);
+  let recent = 0;
+  for (const e of view.engines.values()) {
+    const now = engineNow(e);
+    drawSteps(e, now);
+    drawLanes(e, now);
+    recent += e.steps.filter((s) => s.start > now - 1).length;
+  }
+  $("step-rate").textContent = recent;
   requestAnimationFrame(draw);
 }
 
+engineOf(0);  // drawn empty until the first summary, as a single engine always looks
 document.addEventListener("apikeychange", connect);
 connect();
 requestAnimationFrame(draw);
