@@ -8,6 +8,7 @@ from test_model_parity import full_logits
 from test_quantization import C_KERNELS, KERNELS, int8_activations, on_kernel
 
 from chunkserve.model.factory import LoadedModel, cpu_has_avx512_bf16, load_model
+from chunkserve.model.layers import group_gemm
 from chunkserve.model.layers.linear import Int8Linear, make_linear
 from chunkserve.model.layers.linear_int4 import (GROUP, Int4Linear, dequantize_int4,
                                           exact_int4, quantize_int4)
@@ -84,18 +85,20 @@ def test_c_int4_kernel_is_exact_on_q4_1_weights(n, k, rows, monkeypatch):
 @pytest.mark.parametrize("rows", [1, 2, 4, 5, 7, 8, 9, 17, 32])
 def test_avx2_int4_kernel_is_exact_on_q4_1_weights(n, k, rows, monkeypatch):
     """The avx2 kernel holds a Q4_1 block exactly and sums (level - 8) x int8-activation
-    products in int32; the minimums (of the centred levels) multiply the rows' float sums. Its output is that arithmetic in float32,
-    to float32 rounding (channels not a multiple of 8 are padded and dropped)."""
+    products in int32; the minimums (of the centred levels) multiply the rows' float sums. Its
+    output is that arithmetic in float32, to float32 rounding (channels not a multiple of 8 are padded and dropped)."""
     w = q4_1_like(n, k, seed=n + rows)
     lin = on_kernel(lambda: Int4Linear(w), "avx2", monkeypatch)
     assert torch.equal(lin.kernel.dequantized(), w)
-    x = torch.randn(rows, k)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
     out = lin.kernel(x)
     levels, scale, low = quantize_int4(w)
     lows = (low + 8 * scale).repeat_interleave(GROUP, dim=1)  # the centred levels' minimums
     ref = F.linear(int8_activations(x), w - lows) + F.linear(x, lows)
     assert out.shape == (rows, n) and out.dtype == torch.float32
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    # float32 sums of up to 1,536 terms in another order, two of them cancelling: 1e-4 (one
+    # activation a level off would be ~6e-4)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
 
 
 def test_auto_takes_int4_only_where_the_weights_are_4_bit():
@@ -118,23 +121,35 @@ def fp32_logits(fp32: LoadedModel) -> list[tuple[list[int], torch.Tensor]]:
             for ids in (fp32.tokenizer.encode(text) for text in PROMPTS)]
 
 
-@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+@pytest.fixture(scope="module", params=["float32", "bfloat16", "avx2"])
 def int4(request: pytest.FixtureRequest, smollm2_path: str) -> LoadedModel:
     """One int4 load per activation dtype, shared by both chunkings (pytest runs a dtype's
-    tests together and drops its model before loading the next)."""
-    return load_model(smollm2_path, request.param, max_model_len=512, quantization="int4")
+    tests together and drops its model before loading the next). "avx2": float32 on the avx2
+    group GEMM where the host's own kernel is another (AVX512_BF16), so both kinds of CI host
+    run it."""
+    if request.param != "avx2":
+        return load_model(smollm2_path, request.param, max_model_len=512, quantization="int4")
+    if "avx2" not in C_KERNELS or group_gemm.available().name == "avx2":
+        pytest.skip("the avx2 kernel is missing here, or is the float32 case already")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(group_gemm, "available", lambda: C_KERNELS["avx2"])
+        return load_model(smollm2_path, "float32", max_model_len=512, quantization="int4")
 
 
 @pytest.mark.parametrize("chunk", [None, 4])  # one step (dense copy), 4-row steps (kernel)
 def test_smollm2_int4_logits_stay_close_to_float32(fp32_logits, int4, chunk):
     """SmolLM2's linears are Q4_1: int4 holds them exactly (the C kernel's float16 group scales
     too; PyTorch's kernel rounds them to bf16), so the logits move less than with int8
-    (measured max |d| 0.49-1.02 vs int8's 1.35-2.25; C kernel 0.61-0.84)."""
+    (measured max |d| 0.49-1.02 vs int8's 1.35-2.25; C kernel 0.61-0.84). The avx2 kernel
+    also rounds the activations to int8 (per group of 32, as llama.cpp on these formats):
+    1.02-1.43 in 4-row steps, still under per-channel int8's, its AVX2 predecessor."""
     assert isinstance(int4.model.layers[0].qkv, Int4Linear)
     assert isinstance(int4.model.lm_head, Int8Linear)  # the Q8_0 embedding is not 4-bit
+    kernel = int4.model.layers[0].qkv.kernel
+    avx2 = isinstance(kernel, group_gemm.GroupGemm) and kernel.kernel.name == "avx2"
     for ids, ref in fp32_logits:
         out = full_logits(int4.model, ids, chunk=chunk)
-        assert (out - ref).abs().max().item() <= 1.3
+        assert (out - ref).abs().max().item() <= (1.6 if avx2 and chunk else 1.3)
         assert (out.argmax(-1) == ref.argmax(-1)).float().mean().item() >= 0.9
 
 
