@@ -68,29 +68,40 @@ def test_two_ranks_give_one_process_tokens(tiny_model_dir: str, kwargs: dict) ->
         assert sched.kv.prefix_stats.hits > 0
 
 
-def test_int8_weights_give_the_same_tokens(tiny_model_dir: str) -> None:
-    """int8 in groups of 32 (the C group GEMM): each rank quantizes its shard, in groups the
-    split never cuts, and a float32 model's partial sums stay float32 into the all-reduce.
-    (Per-channel int8, PyTorch's kernel where no C group GEMM builds, holds one process's
-    levels on every rank too (test_tp_sharding.py), but rounds each rank's partial sums to
-    bfloat16 before the all-reduce: not compared token for token.)"""
+# Each C group GEMM: the host's own, and the AVX2 build, which every x86-64-v3 host runs (the
+# worker processes inherit CHUNKSERVE_CPU_ISA).
+ISAS = ["native", "avx2"]
+
+
+def _on_isa(isa: str, monkeypatch: pytest.MonkeyPatch) -> None:
     from chunkserve.model.layers import group_gemm
 
+    monkeypatch.setenv("CHUNKSERVE_CPU_ISA", isa)
     if group_gemm.available() is None:
-        pytest.skip("no C group GEMM (AVX2) here: bfloat16 partial sums differ")
+        pytest.skip("no C group GEMM (AVX2) here: PyTorch's bfloat16 partial sums differ")
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_int8_weights_give_the_same_tokens(tiny_model_dir: str, isa: str,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """int8 in groups of 32 (the C group GEMMs): each rank quantizes its shard, in groups the
+    split never cuts, and a float32 model's partial sums stay float32 into the all-reduce (the
+    avx2 kernel rounds a rank's activations per group of 32 too, the groups one process has).
+    (Per-channel int8, PyTorch's kernel where no C kernel builds, holds one process's levels
+    on every rank too (test_tp_sharding.py), but rounds each rank's partial sums to bfloat16
+    before the all-reduce: not compared token for token.)"""
+    _on_isa(isa, monkeypatch)
     _same_tokens(tiny_model_dir, max_num_batched_tokens=16, num_kv_blocks=64,
                  quantization="int8")
 
 
-def test_int4_weights_give_the_same_tokens(tiny_model_dir: str) -> None:
+@pytest.mark.parametrize("isa", ISAS)
+def test_int4_weights_give_the_same_tokens(tiny_model_dir: str, isa: str,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """int4 in groups of 32 inputs (GGUF's Q4_1 blocks): the row-parallel splits of o_proj and
     down fall on group boundaries (32 and 64 inputs a rank here), so each rank holds exactly
-    one process's groups, and the C kernel's float32 partial sums add up alike. (PyTorch's int4
-    kernel, where no C group GEMM builds, rounds each rank's partial sums to bfloat16.)"""
-    from chunkserve.model.layers import group_gemm
-
-    if group_gemm.available() is None:
-        pytest.skip("no C group GEMM (AVX2) here: bfloat16 partial sums differ")
+    one process's groups, and the C kernels' float32 partial sums add up alike."""
+    _on_isa(isa, monkeypatch)
     _same_tokens(tiny_model_dir, max_num_batched_tokens=16, num_kv_blocks=64,
                  quantization="int4")
 
