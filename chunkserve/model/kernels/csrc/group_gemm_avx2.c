@@ -27,7 +27,9 @@
  *   int8  qw [N/8, K/32, 8 quads, 32 bytes]: byte 4c + i = channel c's level of input 4j + i;
  *         sc [N/8, K/32, 8] float16 scales.
  * vpmaddubsw takes unsigned bytes times signed ones: int4 levels are unsigned already; int8
- * levels give their magnitude, and x takes their sign (vpsignb), as llama.cpp does.
+ * levels give their magnitude, and x takes their sign (vpsignb), as llama.cpp does. int4's
+ * pair sums stay in int16 for a whole group (no overflow at 15 x 127) and are widened once a
+ * group; int8's (up to 2 x 127 x 127) are widened every quad.
  * Each quad's levels serve every row of a pass (up to ROWS rows, whose sums and outputs stay
  * in registers). Tasks: one per 8 output channels, statically spread.
  *
@@ -40,7 +42,12 @@
 
 #define GROUP 32
 #define LANES 8
-#define ROWS 4 /* rows a pass: 4 int32 sums + 4 outputs + the levels stay in 16 registers */
+/* Rows a pass: 4 sums + 4 outputs + the levels stay in 16 registers. -DROWS=6 or 8 builds
+ * the others for tuning; on SmolLM2's shapes (AVX2 build on a Zen 4) neither was faster
+ * beyond the noise at 1-64 rows. */
+#ifndef ROWS
+#define ROWS 4
+#endif
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
@@ -115,12 +122,18 @@ block_rows(int bits, const int8_t *xq, const float *d, const float *s, const flo
             for (int r = 0; r < R; r++) {
                 __m256i xv = _mm256_set1_epi32(
                     *(const int32_t *)(xq + (m0 + r) * K + g * GROUP + 4 * j));
-                if (bits == 8)
+                if (bits == 8) {
                     xv = _mm256_sign_epi8(xv, sign);
-                acc[r] = _mm256_add_epi32(
-                    acc[r], _mm256_madd_epi16(_mm256_maddubs_epi16(w, xv), ones));
+                    acc[r] = _mm256_add_epi32(
+                        acc[r], _mm256_madd_epi16(_mm256_maddubs_epi16(w, xv), ones));
+                } else { /* int16 sums: 16 products of 15 x 127 at most, 30,480 < 2^15 */
+                    acc[r] = _mm256_add_epi16(acc[r], _mm256_maddubs_epi16(w, xv));
+                }
             }
         }
+        if (bits == 4) /* each channel's two int16 halves into its int32 lane, once a group */
+            for (int r = 0; r < R; r++)
+                acc[r] = _mm256_madd_epi16(acc[r], ones);
         const uint16_t *gs = sc + g * (bits == 4 ? 2 * LANES : LANES);
         const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)gs));
         /* int4: the minimum of centred levels, minimum + 8 scale */
@@ -160,6 +173,12 @@ static void pass(int bits, const int8_t *xq, const float *d, const float *s, con
         break;
     switch (rows) {
         CASE(1) CASE(2) CASE(3) CASE(4)
+#if ROWS > 4
+        CASE(5) CASE(6)
+#endif
+#if ROWS > 6
+        CASE(7) CASE(8)
+#endif
     }
 #undef CASE
 }
