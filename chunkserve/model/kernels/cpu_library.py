@@ -200,8 +200,8 @@ def load_chunk_bf16(head_dim: int, target: str | None = None
 def load_chunk_avx2(head_dim: int, target: str | None = None
                     ) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     """The float32 prefill-chunk attention entry point (chunk_attention_avx2.c), or None where
-    the build (`target`, default `isa()`) does not have it (no AVX2 and FMA, or AVX-512, where
-    float32 chunks keep SDPA) or the head size is not a multiple of 8 up to 256."""
+    the build (`target`, default `isa()`) has no AVX2 and FMA or the head size is not a multiple
+    of 8 up to 256."""
     return _load_chunk(library(target), "chunk_attention_avx2", head_dim)
 
 

@@ -7,16 +7,17 @@
  * blocks and repeated per query head (GQA), and a chunk after a prefix took two calls merged by
  * their log-sum-exps (torch_backend.py). Here, as in the bf16 kernel (flash attention, online
  * softmax over steps of KEYS keys):
- *   - a task is TILE = 8 query rows of one chunk for every query head of one KV head: a step's
+ *   - a task is TILE = 16 query rows of one chunk for every query head of one KV head: a step's
  *     K/V rows, read in place, serve the whole group;
- *   - everything is kept with the task's 8 rows as the 8 float32 lanes of a vector: scores (a
- *     vector per key), the queries transposed once (qt [D, TILE]), the output transposed
+ *   - everything is kept with the task's rows as the float32 lanes of ROWV = 2 vectors: scores
+ *     (two vectors per key), the queries transposed once (qt [D, TILE]), the output transposed
  *     (ot [D, TILE]), the row maxima and sums; so the online softmax, its rescaling of the
  *     output and the masks are lane-wise, with no horizontal sums or transposes per step;
- *   - Q.K^T: for each d, the rows' q[d] (a vector) times key j's k[d] (broadcast from the
- *     cache) into key j's score vector, 8 keys a pass; P.V the same way round: for each key,
- *     its probabilities (a vector over the rows) times v[d] (broadcast) into ot[d], 8 columns
- *     a pass. Each multiply-add costs one broadcast load, the vector loads are shared by 8;
+ *   - Q.K^T: for each d, the rows' q[d] (two vectors) times key j's k[d] (broadcast from the
+ *     cache) into key j's scores, KPASS keys a pass; P.V the same way round: for each key, its
+ *     probabilities (two vectors) times v[d] (broadcast) into ot[d], DPASS columns a pass. A
+ *     broadcast load serves two multiply-adds: with one vector of rows (8), each multiply-add
+ *     had its own load, and the kernel was 2-10% slower (load ports, not FMAs, were full);
  *   - causal, aligned to the bottom right, and a sliding window: chunk_masks.h's rule, applied
  *     as a lane mask on every step; a task's key loop starts at its first row's oldest visible
  *     key, so blocks before it (which the KV cache may have freed) are never read.
@@ -37,16 +38,18 @@
 #include "chunk_masks.h"
 #include "storage.h"
 
-#define TILE 8 /* query rows of a task = float32 lanes of a 256-bit vector */
-#define KEYS 16 /* keys per online-softmax step: two score passes of 8 */
-#define PASS 8 /* keys a score pass holds, columns a P.V pass holds: 8 accumulators */
+#define LANES 8 /* float32 lanes of a 256-bit vector */
+#define ROWV 2 /* vectors of query rows a task holds */
+#define TILE (LANES * ROWV) /* query rows of a task */
+#define KPASS 6 /* keys a score pass holds: KPASS * ROWV = 12 accumulators */
+#define KEYS (2 * KPASS) /* keys per online-softmax step: two score passes */
+#define DPASS 4 /* columns a P.V pass holds: DPASS * ROWV = 8 accumulators */
 #define MAX_D 256 /* the largest head size (Gemma 3's) */
 
-/* Not in builds with AVX-512 (-march=native on such a CPU), where float32 chunks keep PyTorch's
- * SDPA, whose AVX-512 kernels were faster over long key ranges on an AVX-512 EPYC: this kernel
- * 1.4x SDPA's speed for a 512-token chunk, 0.95x after a 1,536-token prefix, 0.84x for 2,048
- * tokens (docs/performance.md, issue 33). */
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+/* Also in builds for AVX-512 CPUs (float32 activations there: `--dtype float32`, or no
+ * AVX512_BF16), where it measured 1.4x PyTorch's AVX-512 SDPA on 2 cores of an EPYC, a 512-token
+ * chunk after 1,536 and a 2,048-token one alike (docs/performance.md, issue 33). */
+#if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define HAVE_CHUNK_KERNEL 1
 
@@ -81,12 +84,13 @@ static inline __attribute__((always_inline)) __m256 exp8(__m256 x)
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
-/* A row-set of chunk_masks.h as a vector: all bits set in lane i iff bit i is. */
-static inline __attribute__((always_inline)) __m256 lane_mask(uint32_t rows)
+/* Lanes 8h .. 8h+7 of a row-set of chunk_masks.h as a vector: all bits set in lane i iff bit
+ * 8h + i is. */
+static inline __attribute__((always_inline)) __m256 lane_mask(uint32_t rows, int h)
 {
     const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
-    return _mm256_castsi256_ps(
-        _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32((int)rows), bit), bit));
+    return _mm256_castsi256_ps(_mm256_cmpeq_epi32(
+        _mm256_and_si256(_mm256_set1_epi32((int)(rows >> (LANES * h))), bit), bit));
 }
 
 /* A query head's running state in a task: its rows transposed (qt [D, TILE]), unnormalised
@@ -105,44 +109,58 @@ static inline __attribute__((always_inline)) HeadState head_state(float *buf, in
     return st;
 }
 
-/* Scores of the PASS keys whose rows are k[0..PASS) for the task's rows, scaled, the hidden ones
- * -1e30 (masks km): sc[jj] lane i = q[i] . k[jj] * scale. mx: the lane-wise running max. */
+/* Scores of the KPASS keys whose rows are k[0..KPASS) for the task's rows, scaled, the hidden
+ * ones -1e30 (masks km, ROWV a key): sc[jj] row i = q[i] . k[jj] * scale. mx: the lane-wise
+ * running maxima of each row vector. */
 static inline __attribute__((always_inline)) void
 score_keys(const int64_t D, const float *qt, const float *const *k, const __m256 *km,
            float scale, __m256 *mx, float *sc)
 {
-    __m256 acc[PASS];
-    for (int jj = 0; jj < PASS; jj++)
-        acc[jj] = _mm256_setzero_ps();
+    __m256 acc[KPASS * ROWV];
+    for (int a = 0; a < KPASS * ROWV; a++)
+        acc[a] = _mm256_setzero_ps();
     for (int64_t d = 0; d < D; d++) {
-        const __m256 qv = _mm256_load_ps(qt + d * TILE);
-        for (int jj = 0; jj < PASS; jj++)
-            acc[jj] = _mm256_fmadd_ps(qv, _mm256_broadcast_ss(k[jj] + d), acc[jj]);
+        __m256 qv[ROWV];
+        for (int h = 0; h < ROWV; h++)
+            qv[h] = _mm256_load_ps(qt + d * TILE + LANES * h);
+        for (int jj = 0; jj < KPASS; jj++) {
+            const __m256 kv = _mm256_broadcast_ss(k[jj] + d);
+            for (int h = 0; h < ROWV; h++)
+                acc[jj * ROWV + h] = _mm256_fmadd_ps(qv[h], kv, acc[jj * ROWV + h]);
+        }
     }
-    for (int jj = 0; jj < PASS; jj++) {
-        acc[jj] = _mm256_blendv_ps(_mm256_set1_ps(-1e30f),
-                                   _mm256_mul_ps(acc[jj], _mm256_set1_ps(scale)), km[jj]);
-        *mx = _mm256_max_ps(*mx, acc[jj]);
-        _mm256_store_ps(sc + jj * TILE, acc[jj]);
+    for (int a = 0; a < KPASS * ROWV; a++) {
+        acc[a] = _mm256_blendv_ps(_mm256_set1_ps(-1e30f),
+                                  _mm256_mul_ps(acc[a], _mm256_set1_ps(scale)), km[a]);
+        mx[a % ROWV] = _mm256_max_ps(mx[a % ROWV], acc[a]);
+        _mm256_store_ps(sc + a * LANES, acc[a]);
     }
 }
 
-/* ot[d] = ot[d] * alpha + sum over the n keys of p[key] * v[key][d], PASS columns at a time. */
+/* ot[d] = ot[d] * alpha + sum over the n keys of p[key] * v[key][d], DPASS columns at a time. */
 static inline __attribute__((always_inline)) void
-accumulate_keys(const int64_t D, const float *p, const float *const *v, int64_t n, __m256 alpha,
-                float *ot)
+accumulate_keys(const int64_t D, const float *p, const float *const *v, int64_t n,
+                const __m256 *alpha, float *ot)
 {
-    for (int64_t d0 = 0; d0 < D; d0 += PASS) {
-        __m256 acc[PASS];
-        for (int e = 0; e < PASS; e++)
-            acc[e] = _mm256_mul_ps(_mm256_load_ps(ot + (d0 + e) * TILE), alpha);
+    for (int64_t d0 = 0; d0 < D; d0 += DPASS) {
+        __m256 acc[DPASS * ROWV];
+        for (int e = 0; e < DPASS; e++)
+            for (int h = 0; h < ROWV; h++)
+                acc[e * ROWV + h] = _mm256_mul_ps(
+                    _mm256_load_ps(ot + (d0 + e) * TILE + LANES * h), alpha[h]);
         for (int64_t jj = 0; jj < n; jj++) {
-            const __m256 pv = _mm256_load_ps(p + jj * TILE);
-            for (int e = 0; e < PASS; e++)
-                acc[e] = _mm256_fmadd_ps(pv, _mm256_broadcast_ss(v[jj] + d0 + e), acc[e]);
+            __m256 pv[ROWV];
+            for (int h = 0; h < ROWV; h++)
+                pv[h] = _mm256_load_ps(p + jj * TILE + LANES * h);
+            for (int e = 0; e < DPASS; e++) {
+                const __m256 x = _mm256_broadcast_ss(v[jj] + d0 + e);
+                for (int h = 0; h < ROWV; h++)
+                    acc[e * ROWV + h] = _mm256_fmadd_ps(pv[h], x, acc[e * ROWV + h]);
+            }
         }
-        for (int e = 0; e < PASS; e++)
-            _mm256_store_ps(ot + (d0 + e) * TILE, acc[e]);
+        for (int e = 0; e < DPASS; e++)
+            for (int h = 0; h < ROWV; h++)
+                _mm256_store_ps(ot + (d0 + e) * TILE + LANES * h, acc[e * ROWV + h]);
     }
 }
 
@@ -152,20 +170,28 @@ attend_keys(const int64_t D, const HeadState *st, const float *const *k, const f
             const __m256 *km, int64_t n, float scale)
 {
     float sc[KEYS * TILE] __attribute__((aligned(32))); /* [key, row] scores, then P */
-    const __m256 m = _mm256_load_ps(st->m);
-    __m256 mnew = m;
-    for (int64_t half = 0; half < n; half += PASS)
-        score_keys(D, st->qt, k + half, km + half, scale, &mnew, sc + half * TILE);
-    const __m256 alpha = exp8(_mm256_sub_ps(m, mnew));
-    __m256 sum = _mm256_setzero_ps();
-    for (int64_t jj = 0; jj < n; jj++) {
-        const __m256 p = _mm256_and_ps(
-            km[jj], exp8(_mm256_sub_ps(_mm256_load_ps(sc + jj * TILE), mnew)));
-        sum = _mm256_add_ps(sum, p);
-        _mm256_store_ps(sc + jj * TILE, p);
+    __m256 m[ROWV], mnew[ROWV], alpha[ROWV], sum[ROWV];
+    for (int h = 0; h < ROWV; h++)
+        mnew[h] = m[h] = _mm256_load_ps(st->m + LANES * h);
+    for (int64_t j = 0; j < n; j += KPASS)
+        score_keys(D, st->qt, k + j, km + j * ROWV, scale, mnew, sc + j * TILE);
+    for (int h = 0; h < ROWV; h++) {
+        alpha[h] = exp8(_mm256_sub_ps(m[h], mnew[h]));
+        sum[h] = _mm256_setzero_ps();
     }
-    _mm256_store_ps(st->l, _mm256_fmadd_ps(_mm256_load_ps(st->l), alpha, sum));
-    _mm256_store_ps(st->m, mnew);
+    for (int64_t jj = 0; jj < n; jj++)
+        for (int h = 0; h < ROWV; h++) {
+            float *at = sc + jj * TILE + LANES * h;
+            const __m256 p = _mm256_and_ps(
+                km[jj * ROWV + h], exp8(_mm256_sub_ps(_mm256_load_ps(at), mnew[h])));
+            sum[h] = _mm256_add_ps(sum[h], p);
+            _mm256_store_ps(at, p);
+        }
+    for (int h = 0; h < ROWV; h++) {
+        float *l = st->l + LANES * h;
+        _mm256_store_ps(l, _mm256_fmadd_ps(_mm256_load_ps(l), alpha[h], sum[h]));
+        _mm256_store_ps(st->m + LANES * h, mnew[h]);
+    }
     accumulate_keys(D, sc, v, n, alpha, st->ot);
 }
 
@@ -182,8 +208,10 @@ start_heads(const Chunks *c, const int64_t D, int64_t s, int64_t kvh, int64_t i0
             for (int64_t d = 0; d < D; d++)
                 st.qt[d * TILE + i] = i < rows ? q[i * q_row + d] : 0.0f;
         memset(st.ot, 0, sizeof(float) * D * TILE);
-        _mm256_store_ps(st.m, _mm256_set1_ps(-1e30f));
-        _mm256_store_ps(st.l, _mm256_setzero_ps());
+        for (int64_t i = 0; i < TILE; i++) {
+            st.m[i] = -1e30f;
+            st.l[i] = 0.0f;
+        }
     }
 }
 
@@ -201,13 +229,15 @@ attend_tile(const Chunks *c, const int64_t D, int64_t s, int64_t kvh, int64_t i0
     for (int64_t j0 = first_visible_key(pos0, c->window); j0 < kv_end; j0 += KEYS) {
         const int64_t n = kv_end - j0 < KEYS ? kv_end - j0 : KEYS;
         const float *k[KEYS], *v[KEYS]; /* the step's rows, in place; padding repeats key j0 */
-        __m256 km[KEYS];
+        __m256 km[KEYS * ROWV];
         for (int64_t jj = 0; jj < KEYS; jj++) {
             const int64_t j = j0 + (jj < n ? jj : 0);
             const int64_t at = ((table[j / bs] * bs + j % bs) * c->kv_heads + kvh) * D;
             k[jj] = c->k_cache + at;
             v[jj] = c->v_cache + at;
-            km[jj] = lane_mask(visible_rows(j0 + jj, pos0, jj, n, c->window, TILE));
+            const uint32_t seen = visible_rows(j0 + jj, pos0, jj, n, c->window, TILE);
+            for (int h = 0; h < ROWV; h++)
+                km[jj * ROWV + h] = lane_mask(seen, h);
         }
         for (int64_t g = 0; g < group; g++) {
             const HeadState st = head_state(buf, D, g);
@@ -230,7 +260,7 @@ attend_tile(const Chunks *c, const int64_t D, int64_t s, int64_t kvh, int64_t i0
 
 int chunk_attention_avx2_supported(int64_t head_dim)
 {
-    return HAVE_CHUNK_KERNEL && head_dim % PASS == 0 && head_dim > 0 && head_dim <= MAX_D;
+    return HAVE_CHUNK_KERNEL && head_dim % 8 == 0 && head_dim > 0 && head_dim <= MAX_D;
 }
 
 int chunk_attention_avx2(void *out, const void *q, const void *k_cache, const void *v_cache,
