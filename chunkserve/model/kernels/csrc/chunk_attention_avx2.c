@@ -47,8 +47,8 @@
 #define MAX_D 256 /* the largest head size (Gemma 3's) */
 
 /* Also in builds for AVX-512 CPUs (float32 activations there: `--dtype float32`, or no
- * AVX512_BF16), where it measured 1.4x PyTorch's AVX-512 SDPA on 2 cores of an EPYC, a 512-token
- * chunk after 1,536 and a 2,048-token one alike (docs/performance.md, issue 33). */
+ * AVX512_BF16), where it measured 1.4-2.1x PyTorch's AVX-512 SDPA on 2 cores of an EPYC, chunks
+ * of 512 to 2,048 tokens, with and without a prefix (docs/performance.md, issue 33). */
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define HAVE_CHUNK_KERNEL 1
