@@ -15,6 +15,18 @@ FIRST_CHUNKS = [(0, 20), (0, 7), (0, 1)]
 LATER_CHUNKS = [(40, 24), (16, 16), (3, 9)]
 MIXED = [(0, 13), (70, 1), (33, 40), (5, 1), (16, 9)]
 
+# The hand-vectorized kernels' cases (test_cpu_attention.py, test_cpu_attention_avx2.py).
+# Decodes over runs of tokens cut by blocks smaller, equal and larger than a run, and a chunk:
+KERNEL_DECODES = [(0, 1), (15, 1), (16, 1), (17, 1), (300, 1), (255, 1), (40, 30)]
+# Query-head groups that fill the bf16 decode path's register passes (4 heads of 64, 2 of 128)
+# exactly, partly and more than once:
+DECODE_HEADS = [(9, 3, 64), (4, 4, 64), (16, 2, 64), (10, 2, 64), (8, 2, 128), (6, 2, 128),
+                (2, 2, 128)]
+# Chunks of tiles exactly, less than one, and a part tile over (16-row tiles in the bf16
+# kernel, 8-row ones in the AVX2 one); prefixes on and off tile and block edges:
+CHUNKS = [(0, 2), (0, 16), (0, 17), (15, 33), (16, 16), (17, 5), (100, 40), (3, 1)]
+CHUNK_HEADS = [(9, 3, 64), (4, 4, 64), (16, 2, 64), (8, 2, 128), (2, 2, 128)]
+
 
 def make_layout(spec: list[tuple[int, int]], block_size: int, contiguous: bool,
                 seed: int = 0) -> BatchLayout:

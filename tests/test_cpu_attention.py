@@ -5,7 +5,8 @@ import os
 
 import pytest
 import torch
-from attention_cases import (DECODES, FIRST_CHUNKS, LATER_CHUNKS, MIXED, NUM_BLOCKS, make_layout,
+from attention_cases import (CHUNK_HEADS, CHUNKS, DECODE_HEADS, DECODES, FIRST_CHUNKS,
+                             KERNEL_DECODES, LATER_CHUNKS, MIXED, NUM_BLOCKS, make_layout,
                              run_step)
 
 LONG_DECODES = [(299, 1), (700, 1), (255, 1), (256, 1), (511, 1), (0, 1), (40, 30)]
@@ -97,9 +98,9 @@ def test_no_compiler_is_a_clear_error(monkeypatch, tmp_path):
 def test_build_is_cached_by_source_and_cpu(monkeypatch, tmp_path):
     monkeypatch.setenv("CHUNKSERVE_CACHE_DIR", str(tmp_path))
     cc = cpu_library._compiler()
-    first = cpu_library._build(cc)
+    first = cpu_library._build(cc, "native")
     mtime = os.path.getmtime(first)
-    assert cpu_library._build(cc) == first and os.path.getmtime(first) == mtime  # not rebuilt
+    assert cpu_library._build(cc, "native") == first and os.path.getmtime(first) == mtime  # not rebuilt
     assert os.listdir(os.path.dirname(first)) == [os.path.basename(first)]  # no temp files left
 
 
@@ -136,14 +137,13 @@ def test_bfloat16_cache_matches_a_float32_reference_on_the_same_values(spec, hea
 
 
 # The AVX512_BF16 path (paged_decode_bf16.h) where the CPU has it: head sizes 64 and 128, runs
-# of 16 tokens cut by blocks smaller, equal and larger than a run, and query-head groups that
-# fill its register passes (4 heads of 64, 2 of 128) exactly, partly and more than once.
+# of 16 tokens cut by blocks smaller, equal and larger than a run (attention_cases'
+# KERNEL_DECODES), every query-head group shape of DECODE_HEADS.
 @pytest.mark.parametrize("block_size", [8, 16, 32])
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [
-    (9, 3, 64), (4, 4, 64), (16, 2, 64), (10, 2, 64), (8, 2, 128), (6, 2, 128), (2, 2, 128)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", DECODE_HEADS)
 def test_bfloat16_decodes_every_block_size_and_group(block_size, heads, kv_heads, head_dim):
-    spec = [(0, 1), (15, 1), (16, 1), (17, 1), (300, 1), (255, 1), (40, 30)]
-    _bf16_step(make_layout(spec, block_size, contiguous=False), heads, kv_heads, head_dim)
+    _bf16_step(make_layout(KERNEL_DECODES, block_size, contiguous=False), heads, kv_heads,
+               head_dim)
 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -160,16 +160,11 @@ def test_bfloat16_decodes_random_batches(spec, block_size, group, head_dim, seed
                head_dim)
 
 
-# The bf16 chunk kernel (chunk_attention_bf16.c): chunks of 16-row tiles exactly, less than one,
-# and a part tile over; prefixes on and off tile and block edges; blocks shorter than a tile
-# (8), equal (16) and longer (32, 48); every GQA group shape; head sizes 64 and 128.
-CHUNKS = [(0, 2), (0, 16), (0, 17), (15, 33), (16, 16), (17, 5), (100, 40), (3, 1)]
-
-
+# The bf16 chunk kernel (chunk_attention_bf16.c): attention_cases.CHUNKS; blocks shorter than a
+# tile (8), equal (16) and longer (32, 48); every GQA group shape; head sizes 64 and 128.
 @needs_chunk_kernel
 @pytest.mark.parametrize("block_size", [8, 16, 32, 48])
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [
-    (9, 3, 64), (4, 4, 64), (16, 2, 64), (8, 2, 128), (2, 2, 128)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", CHUNK_HEADS)
 def test_bfloat16_chunks_every_block_size_and_group(block_size, heads, kv_heads, head_dim):
     layout = make_layout(CHUNKS, block_size, contiguous=False)
     backend = CpuPagedAttention(heads, kv_heads, head_dim)
@@ -221,7 +216,7 @@ def test_unwritable_cache_is_a_clear_error(monkeypatch, tmp_path):
     blocker.write_text("")  # a file where the cache folder should go
     monkeypatch.setenv("CHUNKSERVE_CACHE_DIR", str(blocker))
     with pytest.raises(cpu_library.KernelBuildError, match="cannot write"):
-        cpu_library._build(cpu_library._compiler())
+        cpu_library._build(cpu_library._compiler(), "native")
 
 
 def test_explicit_cpu_backend_without_a_kernel_is_a_value_error(monkeypatch):
@@ -229,7 +224,7 @@ def test_explicit_cpu_backend_without_a_kernel_is_a_value_error(monkeypatch):
     command line reports ValueErrors)."""
     from chunkserve.model.attention.select import make_attention_backend
 
-    def no_compiler() -> None:
+    def no_compiler(target: str | None = None) -> None:
         raise cpu_library.KernelBuildError("found no C compiler")
 
     monkeypatch.setattr(cpu_library, "load", no_compiler)

@@ -242,25 +242,34 @@ def avx2_library() -> ctypes.CDLL:
     return cpu_library.library("avx2")
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("spec", list(SPECS))
+@pytest.mark.parametrize("window", WINDOWS)
 @pytest.mark.parametrize("heads,kv_heads,head_dim", HEADS)
-def test_avx2_build_window(avx2_library: ctypes.CDLL, dtype: torch.dtype, heads: int,
+def test_avx2_build_window(avx2_library: ctypes.CDLL, spec: str, window: int, heads: int,
                            kv_heads: int, head_dim: int) -> None:
-    """The CPU backend on the AVX2 build: decodes in its generic loop, chunks in SDPA."""
-    from chunkserve.model.kernels import cpu_library
+    """The CPU backend on the AVX2 build, float32: decodes in its generic loop, chunks in the
+    AVX2 chunk kernel (chunk_attention_avx2.c), which must not read a freed block either."""
+    from chunkserve.model.attention.cpu_backend import CpuPagedAttention
 
-    backend = _cpu(heads, kv_heads, head_dim)
-    kernel = avx2_library.paged_decode_attention
-    kernel.argtypes, kernel.restype = cpu_library.ARGTYPES, ctypes.c_int
-    backend._kernel, backend._chunk_kernel = kernel, None
-    backend._write_kv = avx2_library.write_kv
-    backend._write_kv.argtypes, backend._write_kv.restype = [ctypes.c_void_p] * 5 + [
-        ctypes.c_int64] * 2, None
-    layout = make_layout(mixed(20), BLOCK_SIZE, contiguous=False)
-    out, ref = run_windowed(backend, layout, 20, dtype)
+    backend = CpuPagedAttention(heads, kv_heads, head_dim, isa="avx2")
+    assert backend._chunk_kernel is None and backend._chunk_kernel_f32 is not None
+    layout = make_layout(SPECS[spec](window), BLOCK_SIZE, contiguous=False, seed=window)
+    out, ref = run_windowed(backend, layout, window, torch.float32)
     assert torch.isfinite(out).all(), "a freed block was read"
-    tol = 1e-4 if dtype == torch.float32 else 3e-2
-    torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", HEADS)
+def test_avx2_build_window_bfloat16(avx2_library: ctypes.CDLL, heads: int, kv_heads: int,
+                                    head_dim: int) -> None:
+    """bfloat16 on the AVX2 build (no AVX512_BF16): the generic decode loop, SDPA for chunks."""
+    from chunkserve.model.attention.cpu_backend import CpuPagedAttention
+
+    backend = CpuPagedAttention(heads, kv_heads, head_dim, isa="avx2")
+    layout = make_layout(mixed(20), BLOCK_SIZE, contiguous=False)
+    out, ref = run_windowed(backend, layout, 20, torch.bfloat16)
+    assert torch.isfinite(out).all(), "a freed block was read"
+    torch.testing.assert_close(out, ref, atol=3e-2, rtol=3e-2)
 
 
 def test_first_window_block_matches_the_freed_blocks() -> None:

@@ -3,8 +3,9 @@
   mask    PyTorch's fused SDPA, one call per chunk, a boolean mask for a chunk after a prefix;
   split   the torch backend: for a chunk after a prefix, two fused calls (prefix unmasked,
           chunk causal) merged by their log-sum-exps;
-  kernel  the cpu backend's C kernel (chunk_attention_bf16.c), all chunks of a step in one
-          call, K/V read in place (bfloat16 caches on AVX512_BF16 CPUs only).
+  kernel  the cpu backend's C kernel, all chunks of a step in one call, K/V read in place
+          (chunk_attention_bf16.c: bfloat16 caches on AVX512_BF16 CPUs; chunk_attention_avx2.c:
+          float32 ones, on AVX2 CPUs and under CHUNKSERVE_CPU_ISA=avx2).
 
 Each case is a prompt through the engine (max_tokens=1) at a token budget: one step when the
 budget holds the prompt, else chunks after a growing prefix. The forms swap the model's
@@ -76,9 +77,9 @@ def main() -> None:
     backends = {"torch": Backend(m.num_heads, m.num_kv_heads, m.head_dim)}
     if "kernel" in forms:
         kernel = CpuPagedAttention(m.num_heads, m.num_kv_heads, m.head_dim)
-        if kernel._chunk_kernel is None or m.kv_dtype != torch.bfloat16:
-            sys.exit("the chunk kernel needs a bfloat16 cache on an AVX512_BF16 CPU; "
-                     "pass --forms mask,split")
+        if kernel._chunk_kernel_for(m.kv_dtype, m.kv_dtype) is None:
+            sys.exit("no chunk kernel for this cache here (bfloat16 needs AVX512_BF16, float32 "
+                     "AVX2); pass --forms mask,split")
         backends["kernel"] = kernel
     print(f"| prompt | budget | chunks | " + " | ".join(f"{f} s" for f in forms)
           + " | kernel / split |\n|---:|---:|---:|" + "---:|" * (len(forms) + 1), flush=True)

@@ -6,10 +6,13 @@ taken from git) and called directly, alternately, on a step of `--layers` layers
 own caches: B decodes of L context tokens in blocks of `--block-size` scattered over the pool
 (`--layout shuffled`, a pool after some serving) or request by request (`--layout sequential`,
 what a benchmark that prefills first gets). SmolLM2's heads (9 query, 3 KV, head size 64),
-bfloat16 (or `--kv-dtype fp8_e4m3|fp8_e5m2` caches, for kernels that read them;
+bfloat16 (or `--kv-dtype float32`, or `fp8_e4m3|fp8_e5m2` caches, for kernels that read them;
 `--kv-dtype bfloat16:fp8_e4m3` gives the baseline bfloat16 caches and this tree fp8 ones, the
-same values rounded: with `--baseline HEAD`, one kernel on both cache types). Prints ms per
-step (median), the K/V read rate, and the largest output difference between the two kernels.
+same values rounded: with `--baseline HEAD`, one kernel on both cache types). The queries and
+outputs are float32 where the engine would run float32 activations (no AVX512_BF16, or
+`CHUNKSERVE_CPU_ISA=avx2`) or the caches are float32, else bfloat16. Both kernels are built for
+`CHUNKSERVE_CPU_ISA`'s instruction set, as the engine builds them. Prints ms per step (median),
+the K/V read rate, and the largest output difference between the two kernels.
 
     .venv/bin/python benchmarks/kernels/decode_kernel_ab.py --baseline HEAD \
         [--batch 64 --context 512]
@@ -49,7 +52,8 @@ def kernel_dir_at(rev: str) -> str:
     return KERNEL_DIR if found.returncode == 0 else OLD_KERNEL_DIR
 
 
-KV_DTYPES = {"bfloat16": torch.bfloat16, "fp8_e4m3": FP8_BY_NAME["fp8_e4m3"],
+KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
+             "fp8_e4m3": FP8_BY_NAME["fp8_e4m3"],
              "fp8_e5m2": FP8_BY_NAME["fp8_e5m2"]}
 
 
@@ -59,7 +63,7 @@ def build_library(source_dir: str, out_dir: str, source: str) -> tuple[ctypes.CD
     so = os.path.join(out_dir, source.replace(".c", ".so"))
     sources = [os.path.join(source_dir, n) for n in (source, "storage.c")
                if os.path.exists(os.path.join(source_dir, n))]
-    error = cpu_library.compile_shared("cc", sources, so)
+    error = cpu_library.compile_shared("cc", sources, so, cpu_library.cflags(cpu_library.isa()))
     if error:
         sys.exit(error)
     with open(sources[0]) as f:
@@ -98,6 +102,7 @@ def baseline_sources(rev: str, out_dir: str) -> str:
 
 
 def alternate(baseline: str, step: Any, out_shape: tuple[int, ...], rounds: int,
+              out_dtype: torch.dtype = torch.bfloat16,
               **build: Any) -> tuple[dict[str, list[float]], dict[str, torch.Tensor]]:
     """Compiles the baseline's kernel and this tree's (`build`: compile_kernel's source, symbol
     and argtypes) and times `step.run(kernel, out, is_this_tree)` with each, alternately, the
@@ -107,17 +112,38 @@ def alternate(baseline: str, step: Any, out_shape: tuple[int, ...], rounds: int,
         os.makedirs(base)
         kernels = {baseline: compile_kernel(baseline_sources(baseline, base), base, **build),
                    "this tree": compile_kernel(os.path.join(REPO, KERNEL_DIR), tmp, **build)}
-        outs = {name: torch.empty(out_shape, dtype=torch.bfloat16) for name in kernels}
-        times: dict[str, list[float]] = {name: [] for name in kernels}
-        for r in range(rounds):
-            order = list(kernels.items())
-            for name, fn in order if r % 2 == 0 else reversed(order):
-                times[name].append(step.run(fn, outs[name], name == "this tree"))
+        runs = {name: (lambda out, fn=fn, mine=name == "this tree": step.run(fn, out, mine))
+                for name, fn in kernels.items()}
+        return time_alternately(runs, out_shape, rounds, out_dtype)
+
+
+def time_alternately(runs: dict[str, Callable[[torch.Tensor], float]],
+                     out_shape: tuple[int, ...], rounds: int, out_dtype: torch.dtype
+                     ) -> tuple[dict[str, list[float]], dict[str, torch.Tensor]]:
+    """Calls each of `runs` (given its output tensor, it returns the seconds it took) in turn,
+    `rounds` times, the order flipped each round. Returns the seconds and the last output of
+    each, by name."""
+    outs = {name: torch.empty(out_shape, dtype=out_dtype) for name in runs}
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for r in range(rounds):
+        order = list(runs.items())
+        for name, run in order if r % 2 == 0 else reversed(order):
+            times[name].append(run(outs[name]))
     return times, outs
 
 
+def activations(kv_dtypes: list[torch.dtype]) -> torch.dtype:
+    """The queries' and outputs' dtype: float32 for float32 caches (the kernels take q and K/V
+    in one dtype) or where the engine runs float32 activations (no AVX512_BF16)."""
+    from chunkserve.model.factory import cpu_has_avx512_bf16
+
+    if torch.float32 in kv_dtypes or not cpu_has_avx512_bf16():
+        return torch.float32
+    return torch.bfloat16
+
+
 class Step:
-    """`layers` layers of bfloat16 caches and block tables, and the call of one kernel on all."""
+    """`layers` layers of caches and block tables, and the call of one kernel on all."""
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
@@ -133,7 +159,7 @@ class Step:
             kv = [torch.randn(blocks, bs, KV_HEADS, HEAD_DIM) for _ in range(2)]
             self.layers.append(([[c.to(dtype) for c in kv] for dtype in self.kv_dtypes],
                                 np.ascontiguousarray(order.reshape(b, self.width))))
-        self.q = torch.randn(b, HEADS, HEAD_DIM).bfloat16()
+        self.q = torch.randn(b, HEADS, HEAD_DIM).to(activations(self.kv_dtypes))
         self.seq_lens = np.full(b, args.context, np.int64)
         self.rows = np.arange(b, dtype=np.int64)
 
@@ -143,9 +169,10 @@ class Step:
         t0 = time.perf_counter()
         for caches, table in self.layers:
             kc, vc = caches[this_tree]
-            fn(out.data_ptr(), self.q.data_ptr(), kc.data_ptr(), vc.data_ptr(), 1, kind,
+            fn(out.data_ptr(), self.q.data_ptr(), kc.data_ptr(), vc.data_ptr(),
+               int(self.q.dtype == torch.bfloat16), kind,
                table.ctypes.data, self.width, self.seq_lens.ctypes.data, self.rows.ctypes.data,
-               self.args.batch, HEADS, KV_HEADS, HEAD_DIM, self.args.block_size,
+               self.args.batch, 0, HEADS, KV_HEADS, HEAD_DIM, self.args.block_size,
                HEAD_DIM ** -0.5, torch.get_num_threads())
         return time.perf_counter() - t0
 
@@ -172,16 +199,17 @@ def main() -> None:
     names = args.kv_dtype.split(":")
     if len(names) > 2 or any(n not in KV_DTYPES for n in names):
         sys.exit(f"--kv-dtype: one or two (BASELINE:THIS_TREE) of {', '.join(KV_DTYPES)}")
-    if names[0] != "bfloat16":
+    if names[0] not in ("bfloat16", "float32"):
         source = subprocess.run(["git", "show",
                                  f"{args.baseline}:{kernel_dir_at(args.baseline)}/paged_decode.c"],
                                 cwd=REPO, check=True, capture_output=True, text=True).stdout
         if "kv_kind" not in source:
-            sys.exit(f"{args.baseline}'s kernel reads bfloat16 caches only")
+            sys.exit(f"{args.baseline}'s kernel reads bfloat16 and float32 caches only")
     step = Step(args)
-    times, outs = alternate(args.baseline, step, (args.batch, HEADS, HEAD_DIM), args.rounds)
+    times, outs = alternate(args.baseline, step, (args.batch, HEADS, HEAD_DIM), args.rounds,
+                            step.q.dtype)
     print(f"{args.layers} layers x {args.batch} decodes x {args.context} tokens, blocks of "
-          f"{args.block_size}, {args.layout}, K/V {args.kv_dtype}")
+          f"{args.block_size}, {args.layout}, K/V {args.kv_dtype}, q {step.q.dtype}")
     print("| kernel | K/V MB a step | ms/step (median) | K/V GB/s |\n|---|---:|---:|---:|")
     for name, ts in times.items():
         med, gb = statistics.median(ts), step.kv_bytes(name == "this tree") / 1e9

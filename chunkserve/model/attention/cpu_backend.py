@@ -6,16 +6,18 @@ Decodes — one query token each, most of a serving step's requests — go to
 Per-request SDPA costs ~0.15 ms of fixed overhead per call, plus a concatenation when a
 request's blocks are not consecutive; at 16 decodes that is most of the step. Prefill chunks
 go to `kernels/csrc/chunk_attention_bf16.c` (flash attention in AVX512_BF16, also in place) when
-the cache is bfloat16 and the CPU has those instructions: 2-3x PyTorch's fused SDPA there.
-Elsewhere (float32, AVX2 CPUs) chunks keep the torch backend's SDPA, one call per chunk
-(docs/performance.md has the measurements). Both kernels also read fp8 caches
-(`--kv-cache-dtype fp8`), widening each value to bfloat16 or float32 exactly as they read it.
+the cache is bfloat16 and the CPU has those instructions: 2-3x PyTorch's fused SDPA there; and
+float32 chunks over float32 caches to `kernels/csrc/chunk_attention_avx2.c`, the same design in
+AVX2 and FMA (any x86-64-v3 CPU). Elsewhere (float32 queries over fp8 caches, no AVX2) chunks
+keep the torch backend's SDPA, one call per chunk (docs/performance.md has the measurements).
+The decode kernel and the bf16 chunk kernel also read fp8 caches (`--kv-cache-dtype fp8`),
+widening each value to bfloat16 or float32 exactly as they read it.
 
 A sliding window goes to both kernels as one number per call (the KV-cache group's): each
 starts a request's keys at the oldest one its queries see, so the blocks before (maybe freed,
-pointing at another request's block) are never read, and masks per query. The chunk kernel
-takes head sizes 64, 128 and 256; any other (or no AVX512_BF16) sends chunks to SDPA, windowed
-the same way (torch_backend.py).
+pointing at another request's block) are never read, and masks per query. The bf16 chunk kernel
+takes head sizes 64, 128 and 256, the float32 one multiples of 8 up to 256; any other sends
+chunks to SDPA, windowed the same way (torch_backend.py).
 """
 from __future__ import annotations
 
@@ -41,7 +43,7 @@ class CpuMetadata(TorchMetadata):
     decode_arrays: tuple[np.ndarray, ...] = ()  # block table [S_d, W], seq_lens, flat rows
     decode_args: tuple[int, ...] = ()  # table address, W, seq_lens and rows addresses, S_d,
     # window (0: none)
-    # The same for the chunks (query runs longer than one token), for the bf16 chunk kernel:
+    # The same for the chunks (query runs longer than one token), for the chunk kernels:
     chunk_arrays: tuple[np.ndarray, ...] = ()  # block table [S_c, W], seq_lens, starts, lens
     chunk_args: tuple[int, ...] = ()  # table address, W, the three arrays' addresses, S_c,
     # window
@@ -60,12 +62,16 @@ def _kernel_args(layout_arrays: tuple[np.ndarray, ...]) -> tuple[tuple[np.ndarra
 class CpuPagedAttention(TorchPagedAttention):
     name = "cpu"
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int,
+                 isa: str | None = None) -> None:
+        """`isa`: the kernels' build (cpu_library.ISAS; default CHUNKSERVE_CPU_ISA's)."""
         super().__init__(num_heads, num_kv_heads, head_dim)
         # Built (or found in the cache) at model load, not in the first step a user waits for.
-        self._kernel = cpu_library.load()
-        self._chunk_kernel = cpu_library.load_chunk_bf16(head_dim)  # None: chunks take SDPA
-        self._write_kv = cpu_library.library().write_kv
+        self._kernel = cpu_library.load(isa)
+        # The chunk kernels, by the queries' dtype (None: those chunks take SDPA).
+        self._chunk_kernel = cpu_library.load_chunk_bf16(head_dim, isa)
+        self._chunk_kernel_f32 = cpu_library.load_chunk_avx2(head_dim, isa)
+        self._write_kv = cpu_library.library(isa).write_kv
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
         self._write_kv.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64]
         self._write_kv.restype = None
@@ -86,7 +92,7 @@ class CpuPagedAttention(TorchPagedAttention):
             meta.decode_arrays, args = _kernel_args((
                 layout.block_table[decode], layout.seq_lens[decode], starts[decode]))
             meta.decode_args = (*args, window)
-        if chunks and self._chunk_kernel is not None:
+        if chunks and (self._chunk_kernel is not None or self._chunk_kernel_f32 is not None):
             meta.chunk_arrays, args = _kernel_args((
                 layout.block_table[~decode], layout.seq_lens[~decode], starts[~decode],
                 layout.query_lens[~decode]))
@@ -117,9 +123,9 @@ class CpuPagedAttention(TorchPagedAttention):
         q = q.contiguous()
         out = torch.empty(q.shape[0], self.num_heads * self.head_dim, dtype=q.dtype)
         kv_kind = cpu_library.STORAGE_KINDS[k_cache.dtype]
-        if meta.chunk_args and q.dtype == torch.bfloat16:
-            assert self._chunk_kernel is not None
-            failed = self._chunk_kernel(
+        chunk_kernel = self._chunk_kernel_for(q.dtype, k_cache.dtype)
+        if meta.chunk_args and chunk_kernel is not None:
+            failed = chunk_kernel(
                 out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), kv_kind,
                 *meta.chunk_args, self.num_heads, self.num_kv_heads, self.head_dim,
                 k_cache.shape[1], self.scale, torch.get_num_threads())
@@ -136,6 +142,15 @@ class CpuPagedAttention(TorchPagedAttention):
             if failed:
                 raise MemoryError("the CPU decode kernel could not allocate its score buffers")
         return out
+
+    def _chunk_kernel_for(self, dtype: torch.dtype, kv_dtype: torch.dtype
+                          ) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+        """The chunk kernel for these queries and caches: bf16 queries (bf16 or fp8 caches) take
+        the AVX512_BF16 one, float32 queries over float32 caches the AVX2 one (fp8 caches under
+        float32 queries: SDPA); None where this build lacks it."""
+        if dtype is torch.bfloat16:
+            return self._chunk_kernel
+        return self._chunk_kernel_f32 if kv_dtype is torch.float32 else None
 
     @staticmethod
     def _check_dtypes(*tensors: torch.Tensor) -> None:

@@ -1,6 +1,6 @@
-"""Builds and loads the CPU kernels (`kernels/csrc/*.c`: paged decode attention, bfloat16
-prefill-chunk attention, the int4/int8 GEMMs for decode rows, a layer's small ops) with the C
-compiler, as one shared library.
+"""Builds and loads the CPU kernels (`kernels/csrc/*.c`: paged decode attention, bfloat16 and
+float32 prefill-chunk attention, the int4/int8 GEMMs for decode rows, a layer's small ops) with
+the C compiler, as one shared library.
 
 The library is compiled once per source, compiler and CPU (`-march=native`) into a cache folder
 (`$CHUNKSERVE_CACHE_DIR`, default `~/.cache/chunkserve`) and loaded with ctypes. It links
@@ -156,9 +156,9 @@ def _library(target: str) -> ctypes.CDLL:
     return ctypes.CDLL(_build(_compiler(), target))
 
 
-def load() -> ctypes._CFuncPtr:  # type: ignore[name-defined]
-    """The paged decode attention entry point."""
-    fn = library().paged_decode_attention
+def load(target: str | None = None) -> ctypes._CFuncPtr:  # type: ignore[name-defined]
+    """The paged decode attention entry point (of the build for `target`, default `isa()`)."""
+    fn = library(target).paged_decode_attention
     fn.argtypes = ARGTYPES
     fn.restype = ctypes.c_int
     return fn
@@ -189,14 +189,30 @@ def load_group_gemm(target: str | None = None
     return None
 
 
-def load_chunk_bf16(head_dim: int) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+def load_chunk_bf16(head_dim: int, target: str | None = None
+                    ) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     """The bfloat16 prefill-chunk attention entry point (chunk_attention_bf16.c), or None where
-    this build does not have it (no AVX512_BF16) or not for this head size (64, 128, 256)."""
-    lib = library()
-    lib.chunk_attention_bf16_supported.argtypes = [_i64]
-    if not lib.chunk_attention_bf16_supported(head_dim):
+    the build (`target`, default `isa()`) does not have it (no AVX512_BF16) or not for this
+    head size (64, 128, 256)."""
+    return _load_chunk(library(target), "chunk_attention_bf16", head_dim)
+
+
+def load_chunk_avx2(head_dim: int, target: str | None = None
+                    ) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    """The float32 prefill-chunk attention entry point (chunk_attention_avx2.c), or None where
+    the build (`target`, default `isa()`) has no AVX2 and FMA or the head size is not a multiple
+    of 8 up to 256."""
+    return _load_chunk(library(target), "chunk_attention_avx2", head_dim)
+
+
+def _load_chunk(lib: ctypes.CDLL, name: str,
+                head_dim: int) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    """Chunk kernel `name` of `lib` (CHUNK_ARGTYPES), or None where `name`_supported says no."""
+    supported = getattr(lib, f"{name}_supported")
+    supported.argtypes = [_i64]
+    if not supported(head_dim):
         return None
-    fn = lib.chunk_attention_bf16
+    fn = getattr(lib, name)
     fn.argtypes = CHUNK_ARGTYPES
     fn.restype = ctypes.c_int
     return fn

@@ -38,6 +38,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "chunk_masks.h"
 #include "storage.h"
 
 #define TILE 16 /* query rows of a task = float32 lanes of a vector = keys a score pass holds */
@@ -107,26 +108,6 @@ load_kv(const Chunks *c, const int64_t D, const int kind, const int64_t *table, 
                 _mm512_store_si512(dst + 16, _mm512_permutex2var_epi16(a, hi, b));
             }
     }
-}
-
-/* Lane i (query at position pos0 + i) sees key j iff j <= pos0 + i, and with a window also
- * pos0 + i - j < window; keys past n are padding. */
-static inline __attribute__((always_inline)) __mmask16 visible_lanes(int64_t j, int64_t pos0,
-                                                                     int64_t jj, int64_t n,
-                                                                     int64_t window)
-{
-    const int64_t first_lane = j - pos0; /* lanes before it are earlier queries: causal */
-    if (jj >= n || first_lane >= TILE)
-        return 0;
-    uint32_t lanes = first_lane <= 0 ? 0xFFFFu : 0xFFFFu << first_lane;
-    if (window > 0) { /* lanes from first_lane + window on are too far past key j */
-        const int64_t end_lane = first_lane + window;
-        if (end_lane <= 0)
-            return 0;
-        if (end_lane < TILE)
-            lanes &= (1u << end_lane) - 1;
-    }
-    return (__mmask16)lanes;
 }
 
 /* Scores of keys kt[0..TILE) for the task's rows (qp: [D/2, TILE] bf16 pairs), scaled, the
@@ -241,7 +222,7 @@ attend_tile(const Chunks *c, const int64_t D, const int kind, int64_t s, int64_t
     const int64_t rows = T - i0 < TILE ? T - i0 : TILE;
     const int64_t kv_end = pos0 + rows; /* the last row sees keys [.., kv_end) */
     /* The first row's oldest visible key: no row sees one before it (nor reads its block). */
-    const int64_t kv_begin = c->window > 0 && pos0 >= c->window ? pos0 - c->window + 1 : 0;
+    const int64_t kv_begin = first_visible_key(pos0, c->window);
     const int64_t group = c->heads / c->kv_heads, q_row = c->heads * D;
     const int64_t *table = c->block_table + s * c->table_width;
     uint16_t kt[KEYS * MAX_D] __attribute__((aligned(64)));
@@ -265,7 +246,7 @@ attend_tile(const Chunks *c, const int64_t D, const int kind, int64_t s, int64_t
         load_kv(c, D, kind, table, kvh, j0, n, kt, vp);
         __mmask16 km[KEYS];
         for (int jj = 0; jj < KEYS; jj++)
-            km[jj] = visible_lanes(j0 + jj, pos0, jj, n, c->window);
+            km[jj] = (__mmask16)visible_rows(j0 + jj, pos0, jj, n, c->window, TILE);
         for (int64_t g = 0; g < group; g++) {
             const HeadState st = head_state(buf, D, g);
             attend_keys(D, &st, kt, vp, km, n, rows, c->scale);

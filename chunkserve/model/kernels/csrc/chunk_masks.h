@@ -1,0 +1,36 @@
+/* Which keys the query rows of a prefill-chunk task see (included by the chunk kernels,
+ * chunk_attention_bf16.c and chunk_attention_avx2.c): causal, aligned to the bottom right (the
+ * query at position p sees keys 0..p), and with a sliding window (`window` > 0) only the keys
+ * less than `window` before it. A task's rows are consecutive queries, one per vector lane.
+ */
+#ifndef CHUNKSERVE_CHUNK_MASKS_H
+#define CHUNKSERVE_CHUNK_MASKS_H
+#include <stdint.h>
+
+/* The oldest key the query at position pos0 sees: a task whose first row is there never reads
+ * a key (nor its block, which the KV cache may have freed) before it. */
+static inline int64_t first_visible_key(int64_t pos0, int64_t window)
+{
+    return window > 0 && pos0 >= window ? pos0 - window + 1 : 0;
+}
+
+/* The bits of the `lanes` rows (lane i: the query at position pos0 + i) that see key j, the
+ * jj-th of a step of n real keys (keys past n are padding, seen by none). */
+static inline __attribute__((always_inline)) uint32_t
+visible_rows(int64_t j, int64_t pos0, int64_t jj, int64_t n, int64_t window, const int lanes)
+{
+    const uint32_t all = lanes == 32 ? 0xFFFFFFFFu : (1u << lanes) - 1;
+    const int64_t first_lane = j - pos0; /* lanes before it are earlier queries: causal */
+    if (jj >= n || first_lane >= lanes)
+        return 0;
+    uint32_t rows = first_lane <= 0 ? all : (all << first_lane) & all;
+    if (window > 0) { /* lanes from first_lane + window on are too far past key j */
+        const int64_t end_lane = first_lane + window;
+        if (end_lane <= 0)
+            return 0;
+        if (end_lane < lanes)
+            rows &= (1u << end_lane) - 1;
+    }
+    return rows;
+}
+#endif
