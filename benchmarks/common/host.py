@@ -10,6 +10,8 @@ import platform
 import re
 from typing import Any
 
+# What keeps chunkserve's kernels, PyTorch's and oneDNN's to a smaller instruction set.
+FORCED_ISA = ("CHUNKSERVE_CPU_ISA", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
 FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16")
 
 
@@ -21,14 +23,18 @@ def cpu_info() -> dict[str, Any]:
     model = re.search(r"model name\s*:\s*(.*)", text)
     flags = re.search(r"flags\s*:\s*(.*)", text)
     have = [f for f in FLAGS if flags and f in flags.group(1).split()]
-    return {"model": model.group(1).strip() if model else platform.processor() or "unknown",
-            "flags": have, "cores": os.cpu_count()}
+    info: dict[str, Any] = {
+        "model": model.group(1).strip() if model else platform.processor() or "unknown",
+        "flags": have, "cores": os.cpu_count()}
+    forced = {k: os.environ[k] for k in FORCED_ISA if os.environ.get(k)}
+    if forced:
+        info["forced_isa"] = forced
+    return info
 
 
 def cpu_model() -> str:
     """One line: model, cores and flags, e.g. "AMD EPYC, 2 cores, avx2 fma f16c"."""
     info = cpu_info()
     line = f"{info['model']}, {info['cores']} cores, {' '.join(info['flags']) or 'no AVX2'}"
-    forced = [f"{k}={os.environ[k]}" for k in ("CHUNKSERVE_CPU_ISA", "ATEN_CPU_CAPABILITY")
-              if os.environ.get(k)]
+    forced = [f"{k}={os.environ[k]}" for k in FORCED_ISA if os.environ.get(k)]
     return line + (f" (run as on a smaller CPU: {' '.join(forced)})" if forced else "")

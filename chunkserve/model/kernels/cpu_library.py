@@ -24,8 +24,9 @@ SOURCE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11"]
 # `CHUNKSERVE_CPU_ISA=avx2` builds the kernels for an AVX2-only CPU (Haswell's set: AVX2, FMA,
 # F16C; x86-64-v3) and makes the engine choose as on one (no AVX512_BF16 paths): how the AVX2
-# kernels are tested and measured on an AVX-512 host. Set `ATEN_CPU_CAPABILITY=avx2` as well to
-# keep PyTorch's own kernels to AVX2. Default `native`: all the CPU has.
+# kernels are tested and measured on an AVX-512 host. Set `ATEN_CPU_CAPABILITY=avx2` and
+# `ONEDNN_MAX_CPU_ISA=AVX2` as well to keep PyTorch's own kernels and oneDNN's GEMMs to AVX2.
+# Default `native`: all the CPU has.
 ISAS = {"native": "-march=native", "avx2": "-march=haswell"}
 # Linked apart, without -ffast-math: with it, GCC before 13 links crtfastmath.o into a shared
 # library too, whose constructor sets flush-to-zero / denormals-are-zero for the whole process

@@ -64,6 +64,7 @@ class GroupGemm:
         self.weight_bytes = levels.numel() * levels.element_size() + scales.numel() * 2
         self.n_out = levels.shape[0] * kernel.lanes
         self.levels_ptr, self.scales_ptr = levels.data_ptr(), scales.data_ptr()
+        self._activations, self._bf16 = kernel.activations, kernel.name == "bf16"
         # bf16 kernel: float32 for a float32 model (QuantizedLinear sets it): its sums are
         # float32 in the kernel, and a bfloat16 output would round them (and a tensor-parallel
         # rank's partial sums before the all-reduce, which then differ from one rank's whole
@@ -119,13 +120,12 @@ class GroupGemm:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # A decode step makes ~120 of these calls: each microsecond here is ~2% of a B=1 step
         # (docs/performance.md), hence the checks before converting and the cached pointers.
-        act = self.kernel.activations
-        if x.dtype != act:
-            x = x.to(act)
+        if x.dtype != self._activations:
+            x = x.to(self._activations)
         if not x.is_contiguous():
             x = x.contiguous()
         y = torch.empty(x.shape[0], self.n_out, dtype=self.out_dtype)
-        if self.kernel.name == "bf16":
+        if self._bf16:
             failed = self.kernel.fn(
                 y.data_ptr(), int(self.out_dtype == torch.bfloat16), x.data_ptr(), x.shape[0],
                 x.shape[1], self.levels_ptr, self.scales_ptr, self.n_out, self.bits,
