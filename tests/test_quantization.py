@@ -82,7 +82,9 @@ def test_int8_kernel_and_dequantized_paths_agree(kernel, rows, dtype, n, monkeyp
     x = torch.randn(rows, 64).to(dtype)
     ref = F.linear(x.float(), lin.dequantized())
     out = lin(x)
-    assert out.dtype == dtype and out.shape == (rows, n) and lin.dense.dtype == dtype
+    assert out.dtype == dtype and out.shape == (rows, n)
+    # the avx2 kernel takes every row: no dense copy
+    assert lin.dense is None if kernel == "avx2" else lin.dense.dtype == dtype
     # The kernel's path rounds activations and outputs to bfloat16: 2^-8 relative.
     torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
 

@@ -23,8 +23,9 @@ LEVELS = 15
 # Rows up to which each C kernel (group_gemm.py) beats the packed dense GEMM
 # (benchmarks/kernels/cpu_gemm_formats.py, 30 layers of SmolLM2's shapes). bf16, on a Zen 5, two
 # runs: 16.5 / 16.1 vs 17.4 / 17.1 ms at 32 rows; 27.0 / 30.4 vs 28.9 / 26.2 at 64, a tie within
-# the noise. avx2 against packed float32: see docs/performance.md ("AVX2 group GEMM").
-C_KERNEL_MAX_ROWS = {"bf16": 32, "avx2": 32}
+# the noise. avx2: None, every row: against packed float32 on AVX2 (oneDNN kept to AVX2) it was
+# faster at every count measured, 1-256 rows (docs/performance.md, "AVX2 group GEMM").
+C_KERNEL_MAX_ROWS: dict[str, int | None] = {"bf16": 32, "avx2": None}
 
 
 def quantize_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

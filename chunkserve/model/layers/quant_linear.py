@@ -1,7 +1,9 @@
 """What every weight-only quantized linear on the CPU shares (int8: linear.py, int4:
 linear_int4.py): decode rows, up to the kernel's `max_rows`, multiply the quantized weights
 through a kernel that streams few bytes; more rows (a prefill chunk) are compute-bound, where
-the kernels lose to a dense GEMM, so they multiply a dense copy in the compute dtype."""
+most kernels lose to a dense GEMM, so they multiply a dense copy in the compute dtype. A kernel
+that beats the dense GEMM at every row count (`max_rows` None: the avx2 group GEMM, whose int8
+products outrun AVX2's float32 FMAs) takes every row, and the layer keeps no dense copy."""
 from __future__ import annotations
 
 from typing import Protocol
@@ -12,7 +14,7 @@ from chunkserve.model.layers.dense_gemm import DenseWeight
 
 
 class QuantKernel(Protocol):
-    max_rows: int  # rows up to which it beats the dense GEMM
+    max_rows: int | None  # rows up to which it beats the dense GEMM; None: at any count
     weight_bytes: int  # what a pass over the quantized weights reads
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -29,14 +31,14 @@ class QuantizedLinear:
         self.dtype = dtype
         if dtype == torch.float32 and hasattr(kernel, "out_dtype"):
             kernel.out_dtype = torch.float32  # no bfloat16 rounding of a float32 model's sums
-        self.dense = DenseWeight(dense.to(dtype), bias)
-        self.bias = self.dense.bias
+        self.dense = None if kernel.max_rows is None else DenseWeight(dense.to(dtype), bias)
+        self.bias = None if bias is None else bias.to(dtype).contiguous()
         self.shape: tuple[int, int] = tuple(dense.shape)  # type: ignore[assignment]
         # What a decode step reads; prefill chunks read `dense` (not counted: compute-bound).
         self.weight_bytes = kernel.weight_bytes
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= self.kernel.max_rows:
+        if self.dense is None or x.shape[0] <= self.kernel.max_rows:  # type: ignore[operator]
             y = self.kernel(x)
             y = y if y.dtype == self.dtype else y.to(self.dtype)
             return y if self.bias is None else y.add_(self.bias)
