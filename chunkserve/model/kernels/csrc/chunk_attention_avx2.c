@@ -275,12 +275,9 @@ int chunk_attention_avx2(void *out, const void *q, const void *k_cache, const vo
 #if HAVE_CHUNK_KERNEL
     const Chunks c = {q, k_cache, v_cache, out, block_table, seq_lens, q_starts, q_lens,
                       table_width, heads, kv_heads, block_size, window, scale};
-    int64_t *first = malloc(sizeof(int64_t) * (num_seqs + 1)); /* chunk s's first task */
+    int64_t *first = plan_tile_tasks(q_lens, num_seqs, kv_heads, TILE);
     if (first == NULL)
         return 1;
-    first[0] = 0;
-    for (int64_t s = 0; s < num_seqs; s++)
-        first[s + 1] = first[s] + (q_lens[s] + TILE - 1) / TILE * kv_heads;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
@@ -294,20 +291,17 @@ int chunk_attention_avx2(void *out, const void *q, const void *k_cache, const vo
         for (int64_t t = 0; t < first[num_seqs]; t++) {
             if (buf == NULL)
                 continue;
-            int64_t s = 0;
-            while (first[s + 1] <= t)
-                s++;
-            const int64_t task = t - first[s], tiles = (q_lens[s] + TILE - 1) / TILE;
-            const int64_t i0 = (tiles - 1 - task / kv_heads) * TILE; /* longest tiles first */
+            int64_t s, kvh, i0;
+            tile_task(first, q_lens, t, TILE, kv_heads, &s, &kvh, &i0);
             /* Llama's and Gemma 3's head sizes as constants: each its own unrolled copy. */
             if (head_dim == 64)
-                attend_tile(&c, 64, s, task % kv_heads, i0, buf);
+                attend_tile(&c, 64, s, kvh, i0, buf);
             else if (head_dim == 128)
-                attend_tile(&c, 128, s, task % kv_heads, i0, buf);
+                attend_tile(&c, 128, s, kvh, i0, buf);
             else if (head_dim == 256)
-                attend_tile(&c, 256, s, task % kv_heads, i0, buf);
+                attend_tile(&c, 256, s, kvh, i0, buf);
             else
-                attend_tile(&c, head_dim, s, task % kv_heads, i0, buf);
+                attend_tile(&c, head_dim, s, kvh, i0, buf);
         }
         free(buf);
     }

@@ -287,12 +287,9 @@ int chunk_attention_bf16(void *out, const void *q, const void *k_cache, const vo
         return 2;
     const Chunks c = {q, k_cache, v_cache, out, block_table, seq_lens, q_starts, q_lens,
                       table_width, heads, kv_heads, block_size, window, scale, (int)kv_kind};
-    int64_t *first = malloc(sizeof(int64_t) * (num_seqs + 1)); /* chunk s's first task */
+    int64_t *first = plan_tile_tasks(q_lens, num_seqs, kv_heads, TILE);
     if (first == NULL)
         return 1;
-    first[0] = 0;
-    for (int64_t s = 0; s < num_seqs; s++)
-        first[s + 1] = first[s] + (q_lens[s] + TILE - 1) / TILE * kv_heads;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
@@ -306,13 +303,10 @@ int chunk_attention_bf16(void *out, const void *q, const void *k_cache, const vo
         for (int64_t t = 0; t < first[num_seqs]; t++) {
             if (buf == NULL)
                 continue;
-            int64_t s = 0;
-            while (first[s + 1] <= t)
-                s++;
-            const int64_t task = t - first[s], tiles = (q_lens[s] + TILE - 1) / TILE;
-            const int64_t i0 = (tiles - 1 - task / kv_heads) * TILE; /* longest tiles first */
+            int64_t s, kvh, i0;
+            tile_task(first, q_lens, t, TILE, kv_heads, &s, &kvh, &i0);
             /* Head size and storage as constants: each pair is its own unrolled copy. */
-#define TILE_CASE(d, k) attend_tile(&c, d, k, s, task % kv_heads, i0, buf)
+#define TILE_CASE(d, k) attend_tile(&c, d, k, s, kvh, i0, buf)
 #define BY_KIND(d)                                                              \
     if (c.kv_kind == KIND_BF16) TILE_CASE(d, KIND_BF16);                        \
     else if (c.kv_kind == KIND_FP8_E4M3) TILE_CASE(d, KIND_FP8_E4M3);           \

@@ -1,11 +1,42 @@
-/* Which keys the query rows of a prefill-chunk task see (included by the chunk kernels,
- * chunk_attention_bf16.c and chunk_attention_avx2.c): causal, aligned to the bottom right (the
- * query at position p sees keys 0..p), and with a sliding window (`window` > 0) only the keys
- * less than `window` before it. A task's rows are consecutive queries, one per vector lane.
+/* What the chunk kernels (chunk_attention_bf16.c and chunk_attention_avx2.c) share: how a
+ * step's chunks are cut into tasks, and which keys the query rows of a task see: causal,
+ * aligned to the bottom right (the query at position p sees keys 0..p), and with a sliding
+ * window (`window` > 0) only the keys less than `window` before it. A task's rows are
+ * consecutive queries, one per vector lane.
  */
 #ifndef CHUNKSERVE_CHUNK_MASKS_H
 #define CHUNKSERVE_CHUNK_MASKS_H
 #include <stdint.h>
+#include <stdlib.h>
+
+/* Tasks: one per tile of `tile` query rows and KV head of each chunk, chunk by chunk. Returns
+ * first[] (malloc'd; first[s]: chunk s's first task; first[num_seqs]: the count), or NULL. */
+static inline int64_t *plan_tile_tasks(const int64_t *q_lens, int64_t num_seqs,
+                                       int64_t kv_heads, int64_t tile)
+{
+    int64_t *first = malloc(sizeof(int64_t) * (num_seqs + 1));
+    if (first == NULL)
+        return NULL;
+    first[0] = 0;
+    for (int64_t s = 0; s < num_seqs; s++)
+        first[s + 1] = first[s] + (q_lens[s] + tile - 1) / tile * kv_heads;
+    return first;
+}
+
+/* Task t's chunk (*s), KV head (*kv_head) and first query row (*i0). A chunk's longest tiles
+ * (its last rows, which see the most keys) come first, so dynamic scheduling ends evenly. */
+static inline void tile_task(const int64_t *first, const int64_t *q_lens, int64_t t,
+                             int64_t tile, int64_t kv_heads, int64_t *s, int64_t *kv_head,
+                             int64_t *i0)
+{
+    int64_t c = 0;
+    while (first[c + 1] <= t)
+        c++;
+    const int64_t task = t - first[c], tiles = (q_lens[c] + tile - 1) / tile;
+    *s = c;
+    *kv_head = task % kv_heads;
+    *i0 = (tiles - 1 - task / kv_heads) * tile;
+}
 
 /* The oldest key the query at position pos0 sees: a task whose first row is there never reads
  * a key (nor its block, which the KV cache may have freed) before it. */
