@@ -114,7 +114,7 @@ def test_c_int8_kernel_is_exact_over_its_levels(rows, monkeypatch):
 
 @pytest.mark.skipif("avx2" not in C_KERNELS, reason="the avx2 group GEMM needs AVX2/FMA/F16C")
 @pytest.mark.parametrize("n,k", [(16, 32), (100, 64), (48, 1536), (3, 96)])
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 9, 16, 17, 33])
+@pytest.mark.parametrize("rows", [1, 4, 5, 17, 33])  # a pass of 4 rows, and the tails
 def test_avx2_int8_kernel_sums_its_levels_exactly(n, k, rows, monkeypatch):
     """The avx2 kernel quantizes each row to int8 per group of 32 and sums level products in
     int32, exactly: its output is the float32 product of the quantized rows and the weights as
@@ -128,9 +128,13 @@ def test_avx2_int8_kernel_sums_its_levels_exactly(n, k, rows, monkeypatch):
     ref = F.linear(int8_activations(x), lin.dequantized())
     assert out.shape == (rows, n) and out.dtype == torch.float32
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
-    # and the activations' rounding is all it loses against float32: ~1/254 of a group's max
+    # and the activations' rounding is all it loses against float32: at most half a step
+    # (a group's max / 127) an input, times |w|
     exact = F.linear(x, lin.dequantized())
-    assert (out - exact).abs().max() <= 2e-2 * exact.abs().max()
+    half_step = (x.reshape(rows, -1, 32).abs().amax(dim=-1, keepdim=True) / 254).expand(
+        rows, k // 32, 32).reshape(rows, k)
+    bound = F.linear(half_step, lin.dequantized().abs()) + 1e-5 * exact.abs().max()
+    assert ((out - exact).abs() <= bound).all()
 
 
 @pytest.fixture(scope="module")
