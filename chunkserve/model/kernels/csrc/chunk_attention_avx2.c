@@ -7,17 +7,19 @@
  * blocks and repeated per query head (GQA), and a chunk after a prefix took two calls merged by
  * their log-sum-exps (torch_backend.py). Here, as in the bf16 kernel (flash attention, online
  * softmax over steps of KEYS keys):
- *   - a task is TILE = 16 query rows of one chunk for every query head of one KV head: a step's
+ *   - a task is TILE = 24 query rows of one chunk for every query head of one KV head: a step's
  *     K/V rows, read in place, serve the whole group;
- *   - everything is kept with the task's rows as the float32 lanes of ROWV = 2 vectors: scores
- *     (two vectors per key), the queries transposed once (qt [D, TILE]), the output transposed
+ *   - everything is kept with the task's rows as the float32 lanes of ROWV = 3 vectors: scores
+ *     (three vectors per key), the queries transposed once (qt [D, TILE]), the output transposed
  *     (ot [D, TILE]), the row maxima and sums; so the online softmax, its rescaling of the
  *     output and the masks are lane-wise, with no horizontal sums or transposes per step;
- *   - Q.K^T: for each d, the rows' q[d] (two vectors) times key j's k[d] (broadcast from the
+ *   - Q.K^T: for each d, the rows' q[d] (three vectors) times key j's k[d] (broadcast from the
  *     cache) into key j's scores, KPASS keys a pass; P.V the same way round: for each key, its
- *     probabilities (two vectors) times v[d] (broadcast) into ot[d], DPASS columns a pass. A
- *     broadcast load serves two multiply-adds: with one vector of rows (8), each multiply-add
- *     had its own load, and the kernel was 2-10% slower (load ports, not FMAs, were full);
+ *     probabilities (three vectors) times v[d] (broadcast) into ot[d], DPASS columns a pass.
+ *     Loads, not FMAs, bound these loops: a broadcast serves ROWV multiply-adds, a row vector
+ *     KPASS (or DPASS). With one vector of rows (8) the kernel was 2-10% slower than with two;
+ *     three (12 accumulators either way: 7 loads per 12 FMAs, not 8) 1.02-1.07x faster than
+ *     two on top of the longer steps below;
  *   - causal, aligned to the bottom right, and a sliding window: chunk_masks.h's rule, applied
  *     as a lane mask on every step; a task's key loop starts at its first row's oldest visible
  *     key, so blocks before it (which the KV cache may have freed) are never read.
@@ -39,11 +41,16 @@
 #include "storage.h"
 
 #define LANES 8 /* float32 lanes of a 256-bit vector */
-#define ROWV 2 /* vectors of query rows a task holds */
+#define ROWV 3 /* vectors of query rows a task holds */
 #define TILE (LANES * ROWV) /* query rows of a task */
-#define KPASS 6 /* keys a score pass holds: KPASS * ROWV = 12 accumulators */
-#define KEYS (2 * KPASS) /* keys per online-softmax step: two score passes */
-#define DPASS 4 /* columns a P.V pass holds: DPASS * ROWV = 8 accumulators */
+#define KPASS 4 /* keys a score pass holds: KPASS * ROWV = 12 accumulators */
+/* Keys per online-softmax step: nine score passes. A step pays its own fixed work (the output's
+ * rescaling by alpha: a load, a multiply and a store per output vector; the maxima's exp): with
+ * 12 keys a step the kernel (then two row vectors) was 1.14-1.18x slower on a 512-token chunk,
+ * with or without a 1,536-token prefix; 24 and 48 keys measured as 36, 96 slower (AVX2 build,
+ * one core; docs/performance.md, issue 33). */
+#define KEYS (9 * KPASS)
+#define DPASS 4 /* columns a P.V pass holds: DPASS * ROWV = 12 accumulators */
 #define MAX_D 256 /* the largest head size (Gemma 3's) */
 
 /* Also in builds for AVX-512 CPUs (float32 activations there: `--dtype float32`, or no

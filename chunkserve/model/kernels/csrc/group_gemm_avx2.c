@@ -32,6 +32,8 @@
  * group; int8's (up to 2 x 127 x 127) are widened every quad.
  * Each quad's levels serve every row of a pass (up to ROWS rows, whose sums and outputs stay
  * in registers). Tasks: one per 8 output channels, statically spread.
+ * int4 from WIDE_MIN_ROWS rows on (prefill chunks) takes another path: a task of 16 channels
+ * unpacks its levels to bytes once, then runs every row through them (see unpack_int4).
  *
  * x [M, K] float32, y [M, N] float32; K % 32 == 0, N % 8 == 0.
  * Returns 0; 1 if a buffer could not be allocated; 2 if this build has no AVX2/FMA/F16C or
@@ -52,6 +54,15 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define HAVE_AVX2_KERNEL 1
+
+/* An empty instruction that reads and writes *a in a register: placed after each quad, it keeps
+ * the sums where they are. Without it GCC unrolls a group's 8 quads, reassociates the integer
+ * sums into a tree, and spills every product to the stack first: 1.3x slower at 256 rows
+ * (docs/performance.md, issue 33). */
+static inline __attribute__((always_inline)) void keep_in_register(__m256i *a)
+{
+    __asm__("" : "+x"(*a));
+}
 
 /* Row m of x, group by group: xq the levels (int8), d the scale, s the float sum, c the
  * centring term of int4 levels, 8 d sum_k xq_k. */
@@ -130,6 +141,8 @@ block_rows(int bits, const int8_t *xq, const float *d, const float *s, const flo
                     acc[r] = _mm256_add_epi16(acc[r], _mm256_maddubs_epi16(w, xv));
                 }
             }
+            for (int r = 0; r < R; r++)
+                keep_in_register(&acc[r]);
         }
         if (bits == 4) /* each channel's two int16 halves into its int32 lane, once a group */
             for (int r = 0; r < R; r++)
@@ -159,6 +172,144 @@ block_rows(int bits, const int8_t *xq, const float *d, const float *s, const flo
         _mm256_storeu_ps(out + r * LANES, y[r]);
 }
 
+/* ---- int4 at prefill sizes: levels unpacked once a task, tiles of TROWS rows x 16 channels ----
+ * With many rows, unpacking a quad's nibbles again for every pass of ROWS rows (a shift, an
+ * insert and a mask per 8 channels) and broadcasting each row's x once per 8 channels cost more
+ * than the multiply-adds. So from WIDE_MIN_ROWS rows on, a task takes WIDE blocks of 8 channels,
+ * unpacks their levels to bytes and their scales to float32 once into a buffer of its own
+ * (K x 16 bytes: in L1 or L2), and runs every row through it, TROWS rows a tile: each x
+ * broadcast serves WIDE multiply-adds, each weight vector TROWS. The 12 int16 sums and the 2
+ * weight vectors of a quad fill the 16 registers; the tile's float32 outputs live in memory
+ * (an L1 line a row), updated once a group. Sums, rounding and order of operations are the
+ * other path's, so the two give the same bits. */
+#define WIDE 2
+#define TROWS 6
+#define WIDE_MIN_ROWS 8
+
+/* Blocks b .. b+V-1's levels as bytes lv [groups, 8 quads, V, 32], their scales fs and centred
+ * minimums fm (minimum + 8 scale) as float32 [groups, V, 8]. qw, sc: block b's. */
+static void unpack_int4(const uint8_t *qw, const uint16_t *sc, int64_t groups, int V,
+                        int8_t *lv, float *fs, float *fm)
+{
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    for (int v = 0; v < V; v++) {
+        const uint8_t *q = qw + v * groups * GROUP / 2 * LANES;
+        const uint16_t *bs = sc + v * groups * 2 * LANES;
+        for (int64_t g = 0; g < groups; g++) {
+            for (int j = 0; j < GROUP / 4; j++) {
+                const __m128i b = _mm_loadu_si128((const __m128i *)(q + (g * 8 + j) * 16));
+                const __m256i w = _mm256_and_si256(
+                    _mm256_inserti128_si256(_mm256_castsi128_si256(b), _mm_srli_epi16(b, 4), 1),
+                    low4);
+                _mm256_store_si256((__m256i *)(lv + ((g * 8 + j) * V + v) * 32), w);
+            }
+            const __m256 scale = _mm256_cvtph_ps(
+                _mm_loadu_si128((const __m128i *)(bs + g * 2 * LANES)));
+            const __m256 minimum = _mm256_cvtph_ps(
+                _mm_loadu_si128((const __m128i *)(bs + g * 2 * LANES + LANES)));
+            _mm256_store_ps(fs + (g * V + v) * LANES, scale);
+            _mm256_store_ps(fm + (g * V + v) * LANES,
+                            _mm256_fmadd_ps(_mm256_set1_ps(8.0f), scale, minimum));
+        }
+    }
+}
+
+/* Rows m0 .. m0+R-1 of y, channels n0 .. n0+8V-1, from a task's unpacked levels (R and V
+ * constants: the loops unroll). y [M, N]. */
+static inline __attribute__((always_inline)) void
+tile_int4(const int8_t *lv, const float *fs, const float *fm, const int8_t *xq, const float *d,
+          const float *s, const float *c, int64_t K, int64_t m0, const int R, const int V,
+          float *y, int64_t N, int64_t n0)
+{
+    const int64_t groups = K / GROUP;
+    const __m256i ones = _mm256_set1_epi16(1);
+    float out[TROWS * WIDE * LANES] __attribute__((aligned(32)));
+    for (int a = 0; a < R * V; a++)
+        _mm256_store_ps(out + a * LANES, _mm256_setzero_ps());
+    for (int64_t g = 0; g < groups; g++) {
+        __m256i acc[TROWS * WIDE];
+        for (int a = 0; a < R * V; a++)
+            acc[a] = _mm256_setzero_si256();
+        const int8_t *x = xq + m0 * K + g * GROUP;
+        for (int j = 0; j < GROUP / 4; j++) {
+            __m256i w[WIDE];
+            for (int v = 0; v < V; v++)
+                w[v] = _mm256_load_si256((const __m256i *)(lv + ((g * 8 + j) * V + v) * 32));
+            for (int r = 0; r < R; r++) { /* int16 sums, as block_rows' */
+                const __m256i xv = _mm256_set1_epi32(*(const int32_t *)(x + r * K + 4 * j));
+                for (int v = 0; v < V; v++)
+                    acc[r * V + v] = _mm256_add_epi16(acc[r * V + v],
+                                                      _mm256_maddubs_epi16(w[v], xv));
+            }
+            for (int a = 0; a < R * V; a++)
+                keep_in_register(&acc[a]);
+        }
+        for (int r = 0; r < R; r++) { /* block_rows' float32 steps, in its order */
+            const int64_t at = (m0 + r) * groups + g;
+            const __m256 dr = _mm256_set1_ps(d[at]), cr = _mm256_set1_ps(c[at]),
+                         sr = _mm256_set1_ps(s[at]);
+            for (int v = 0; v < V; v++) {
+                float *o = out + (r * V + v) * LANES;
+                const __m256 dot = _mm256_fmsub_ps(
+                    dr, _mm256_cvtepi32_ps(_mm256_madd_epi16(acc[r * V + v], ones)), cr);
+                const __m256 scaled = _mm256_fmadd_ps(
+                    _mm256_load_ps(fs + (g * V + v) * LANES), dot, _mm256_load_ps(o));
+                _mm256_store_ps(o, _mm256_fmadd_ps(_mm256_load_ps(fm + (g * V + v) * LANES),
+                                                   sr, scaled));
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int v = 0; v < V; v++)
+            _mm256_storeu_ps(y + (m0 + r) * N + n0 + v * LANES,
+                             _mm256_load_ps(out + (r * V + v) * LANES));
+}
+
+/* Every row of x through a task's unpacked levels (V a constant), TROWS rows a tile. */
+static inline __attribute__((always_inline)) void
+rows_int4(const int8_t *lv, const float *fs, const float *fm, const int8_t *xq, const float *d,
+          const float *s, const float *c, int64_t M, int64_t K, const int V, float *y, int64_t N,
+          int64_t n0)
+{
+    int64_t m0 = 0;
+    for (; m0 + TROWS <= M; m0 += TROWS)
+        tile_int4(lv, fs, fm, xq, d, s, c, K, m0, TROWS, V, y, N, n0);
+#define TAIL(n)                                                                                   \
+    case n:                                                                                       \
+        tile_int4(lv, fs, fm, xq, d, s, c, K, m0, n, V, y, N, n0);                                \
+        break;
+    switch (M - m0) {
+        TAIL(1) TAIL(2) TAIL(3) TAIL(4) TAIL(5)
+    }
+#undef TAIL
+}
+
+/* The tasks of the int4 prefill path (this thread's share): WIDE blocks each, the last one
+ * fewer when N / 8 is odd. Returns 1 if its buffer could not be allocated. */
+static int wide_int4(const uint8_t *qw, const uint16_t *sc, const int8_t *xq, const float *d,
+                     const float *s, const float *c, int64_t M, int64_t K, float *y, int64_t N)
+{
+    const int64_t groups = K / GROUP, blocks = N / LANES;
+    int8_t *lv = aligned_alloc(32, K * LANES * WIDE);
+    float *fs = aligned_alloc(32, sizeof(float) * 2 * groups * WIDE * LANES);
+    const int failed = lv == NULL || fs == NULL;
+    float *fm = failed ? NULL : fs + groups * WIDE * LANES;
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < (blocks + WIDE - 1) / WIDE; t++) {
+        const int64_t b = t * WIDE;
+        const int V = blocks - b < WIDE ? (int)(blocks - b) : WIDE;
+        if (failed)
+            continue;
+        unpack_int4(qw + b * K / 2 * LANES, sc + b * 2 * groups * LANES, groups, V, lv, fs, fm);
+        if (V == WIDE)
+            rows_int4(lv, fs, fm, xq, d, s, c, M, K, WIDE, y, N, b * LANES);
+        else
+            rows_int4(lv, fs, fm, xq, d, s, c, M, K, 1, y, N, b * LANES);
+    }
+    free(lv), free(fs);
+    return failed;
+}
+
 /* One pass of `rows` (1..ROWS) rows, with bits and R made compile-time constants. */
 static void pass(int bits, const int8_t *xq, const float *d, const float *s, const float *c,
                  int64_t K,
@@ -182,6 +333,29 @@ static void pass(int bits, const int8_t *xq, const float *d, const float *s, con
     }
 #undef CASE
 }
+/* The tasks of the path for every row count and both formats (this thread's share): one per 8
+ * channels, ROWS rows a pass. */
+static void blocks_of_8(int bits, const void *qw, const void *sc, const int8_t *xq,
+                        const float *d, const float *s, const float *c, int64_t M, int64_t K,
+                        float *y, int64_t N)
+{
+    const int64_t groups = K / GROUP;
+    const int64_t level_bytes = bits == 4 ? K / 2 : K; /* a channel's */
+    const int64_t scales = bits == 4 ? 2 * groups : groups; /* (and minimums) */
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < N / LANES; b++) {
+        const uint8_t *q = (const uint8_t *)qw + b * level_bytes * LANES;
+        const uint16_t *bs = (const uint16_t *)sc + b * scales * LANES;
+        float out[ROWS * LANES];
+        for (int64_t m0 = 0; m0 < M; m0 += ROWS) {
+            const int64_t rows = M - m0 < ROWS ? M - m0 : ROWS;
+            pass(bits, xq, d, s, c, K, q, bs, m0, rows, out);
+            for (int64_t r = 0; r < rows; r++)
+                _mm256_storeu_ps(y + (m0 + r) * N + b * LANES, _mm256_loadu_ps(out + r * LANES));
+        }
+    }
+}
+
 #else
 #define HAVE_AVX2_KERNEL 0
 #endif
@@ -202,30 +376,24 @@ int group_gemm_avx2(float *y, const float *x, int64_t M, int64_t K, const void *
         return 1;
     }
     float *s = d + M * groups, *c = s + M * groups;
-    const int64_t level_bytes = bits == 4 ? K / 2 : K;                /* a channel's */
-    const int64_t scales = bits == 4 ? 2 * groups : groups;          /* (and minimums) */
+    int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
 #pragma omp for schedule(static)
         for (int64_t m = 0; m < M; m++)
             quantize_row(x + m * K, K, xq + m * K, d + m * groups, s + m * groups,
                          c + m * groups);
-#pragma omp for schedule(static)
-        for (int64_t b = 0; b < N / LANES; b++) {
-            const uint8_t *q = (const uint8_t *)qw + b * level_bytes * LANES;
-            const uint16_t *bs = (const uint16_t *)sc + b * scales * LANES;
-            float out[ROWS * LANES];
-            for (int64_t m0 = 0; m0 < M; m0 += ROWS) {
-                const int64_t rows = M - m0 < ROWS ? M - m0 : ROWS;
-                pass((int)bits, xq, d, s, c, K, q, bs, m0, rows, out);
-                for (int64_t r = 0; r < rows; r++)
-                    _mm256_storeu_ps(y + (m0 + r) * N + b * LANES,
-                                     _mm256_loadu_ps(out + r * LANES));
+        if (bits == 4 && M >= WIDE_MIN_ROWS) {
+            if (wide_int4(qw, sc, xq, d, s, c, M, K, y, N)) {
+#pragma omp atomic write
+                failed = 1;
             }
+        } else {
+            blocks_of_8((int)bits, qw, sc, xq, d, s, c, M, K, y, N);
         }
     }
     free(xq), free(d);
-    return 0;
+    return failed;
 #else
     (void)y, (void)x, (void)M, (void)K, (void)qw, (void)sc, (void)N, (void)bits,
         (void)num_threads;
