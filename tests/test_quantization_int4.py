@@ -82,9 +82,9 @@ def test_c_int4_kernel_is_exact_on_q4_1_weights(n, k, rows, monkeypatch):
 
 @pytest.mark.skipif("avx2" not in C_KERNELS, reason="the avx2 int4 kernel needs AVX2/FMA/F16C")
 @pytest.mark.parametrize("n,k", [(16, 32), (100, 64), (48, 1536), (3, 96)])
-# rows: up to 7, passes of 4 rows and their tails; from 8 on (WIDE_MIN_ROWS), tiles of 6 rows x 16
-# channels (n = 100 and 3 end on 8) and each tail: 8, 9, 10, 13, 17 = 6 + 2, 6 + 3, 6 + 4, 12 + 1, 12 + 5
-@pytest.mark.parametrize("rows", [1, 4, 5, 8, 9, 10, 13, 17])
+# rows: up to 19, passes of 4 rows and their tails; from 20 on (WIDE_MIN_ROWS), tiles of 6 rows x 16
+# channels (n = 100 and 3 end on 8) and each tail: 20, 21, 22, 25, 29 = 18 + 2, 3, 4; 24 + 1, 5
+@pytest.mark.parametrize("rows", [1, 5, 19, 20, 21, 22, 25, 29])
 def test_avx2_int4_kernel_is_exact_on_q4_1_weights(n, k, rows, monkeypatch):
     """The avx2 kernel holds a Q4_1 block exactly and sums (level - 8) x int8-activation
     products in int32; the minimums (of the centred levels) multiply the rows' float sums. Its
