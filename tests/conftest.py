@@ -49,6 +49,16 @@ def smollm2_path() -> str:
 
 
 @pytest.fixture(scope="session")
+def smollm2_fp32(smollm2_path: str) -> Any:
+    """Our SmolLM2 in float32, dense (no quantization), 512 positions: the reference of the
+    parity, quantization, KV-dtype and token-identity tests, loaded once a session. Tests run
+    it through their own runners and engines and never change it."""
+    from chunkserve.model.factory import load_model
+
+    return load_model(smollm2_path, "float32", max_model_len=512, quantization="none")
+
+
+@pytest.fixture(scope="session")
 def smollm2_hf_tokenizer(smollm2_path: str) -> Any:
     """transformers' tokenizer from the SmolLM2 GGUF (its own conversion of the file's
     vocabulary, seconds of work): one for the session. Tests read it; one that changes it

@@ -38,11 +38,6 @@ def full_logits(model: llama.LlamaForCausalLM, ids: list[int], chunk: int | None
 
 
 @pytest.fixture(scope="module")
-def smollm2_fp32(smollm2_path: str) -> LoadedModel:
-    return load_model(smollm2_path, "float32", max_model_len=512)
-
-
-@pytest.fixture(scope="module")
 def hf_smollm2(smollm2_hf_checkpoint: dict[str, Any]) -> Any:
     """transformers' Llama on transformers' own reading of the GGUF (its own dequantization
     and q/k un-permutation, conftest), so nothing of ours is shared with the reference."""
