@@ -20,6 +20,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 START_TIMEOUT_S = 120.0  # SmolLM2 dequantises its GGUF at start (~8 s idle, more when loaded)
 HTTP_TIMEOUT_S = 30.0
+# A server writes its whole KV pool at start (launcher.commit_kv_memory): the default 2 GiB
+# costs seconds of page faults per server (more with other servers holding theirs), and no
+# test here needs it. 64 MiB holds thousands of the tiny models' blocks; a test that sizes the
+# pool itself (or serves a model whose max_model_len needs more, as SmolLM2's 8192) passes
+# --kv-cache-memory or --num-kv-blocks.
+TEST_KV_ARGS = ["--kv-cache-memory", "0.0625"]
 
 
 def free_port() -> int:
@@ -43,9 +49,11 @@ class RemoteServer:
     def start(self) -> None:
         for attempt in range(3):  # another process may grab the free port before we bind it
             self.port = free_port()
+            sized = any(a in ("--kv-cache-memory", "--num-kv-blocks") for a in self.args)
             cmd = [sys.executable, "-m", "chunkserve.cli", "serve", self.model,
                    "--host", "127.0.0.1", "--port", str(self.port),
-                   "--uvicorn-log-level", "warning", *self.args]
+                   "--uvicorn-log-level", "warning", *([] if sized else TEST_KV_ARGS),
+                   *self.args]
             if self.api_key:
                 cmd += ["--api-key", self.api_key]
             env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
@@ -62,16 +70,26 @@ class RemoteServer:
     def _wait_healthy(self) -> bool:
         assert self.proc is not None
         deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                return False
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return True
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
+        # One client for the whole wait: httpx.get builds a client (and its SSL context) per
+        # call, ~20 ms of CPU taken from the starting server ten times a second. Until the port
+        # accepts a connection, a bare connect attempt is all the polling costs.
+        with httpx.Client(timeout=2) as http:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    return False
+                if self._port_open():
+                    try:
+                        if http.get(self.url + "/health").status_code == 200:
+                            return True
+                    except httpx.HTTPError:
+                        pass
+                time.sleep(0.1)
         return False
+
+    def _port_open(self) -> bool:
+        with socket.socket() as s:
+            s.settimeout(1)
+            return s.connect_ex(("127.0.0.1", self.port)) == 0
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None

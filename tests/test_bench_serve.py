@@ -13,6 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from server_utils import TEST_KV_ARGS
 
 START_TIMEOUT_S = 120.0
 RUN_TIMEOUT_S = 120.0
@@ -42,7 +43,7 @@ def server(tiny_model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Ite
     log = tmp_path_factory.mktemp("bench-server") / "server.log"
     cmd = [sys.executable, "-m", "chunkserve.cli", "serve", tiny_model_dir, "--port", str(port),
            "--dtype", "float32", "--max-model-len", "256", "--max-num-batched-tokens", "64",
-           "--uvicorn-log-level", "warning"]
+           "--uvicorn-log-level", "warning", *TEST_KV_ARGS]  # a small pool: see server_utils
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"

@@ -96,12 +96,25 @@ def test_no_compiler_is_a_clear_error(monkeypatch, tmp_path):
 
 
 def test_build_is_cached_by_source_and_cpu(monkeypatch, tmp_path):
-    monkeypatch.setenv("CHUNKSERVE_CACHE_DIR", str(tmp_path))
+    # The build and its cache on a one-function source, with the real compiler and flags: the
+    # kernels themselves take seconds a compile, and every session compiles them anyway, into
+    # its own fresh cache folder (conftest), before the tests that run them.
+    source = tmp_path / "csrc"
+    source.mkdir()
+    (source / "k.c").write_text('#include "k.h"\nint k(void) { return K; }\n')
+    (source / "k.h").write_text("#define K 1\n")
+    monkeypatch.setattr(cpu_library, "SOURCE_DIR", str(source))
+    monkeypatch.setenv("CHUNKSERVE_CACHE_DIR", str(tmp_path / "cache"))
     cc = cpu_library._compiler()
     first = cpu_library._build(cc, "native")
     mtime = os.path.getmtime(first)
     assert cpu_library._build(cc, "native") == first and os.path.getmtime(first) == mtime  # not rebuilt
     assert os.listdir(os.path.dirname(first)) == [os.path.basename(first)]  # no temp files left
+    (source / "k.h").write_text("#define K 2\n")  # a header the .c includes: built anew
+    second = cpu_library._build(cc, "native")
+    assert second != first and os.path.isfile(second)
+    monkeypatch.setattr(cpu_library, "_cpu_id", lambda: "another CPU")  # -march=native's
+    assert cpu_library._build(cc, "native") not in (first, second)
 
 
 def _bf16_step(layout, heads: int, kv_heads: int, head_dim: int):  # type: ignore[no-untyped-def]

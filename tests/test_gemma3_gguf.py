@@ -5,13 +5,14 @@ and a transcription of llama.cpp's; and the errors a user without the packages s
 
 Every model test is one short prompt (< 64 tokens) on the CPU in float32; the file is parsed once
 per module (chunkserve.gguf_file caches the reader), the model loaded (dequantized) once per
-module, and transformers parses and dequantizes it for itself, once."""
+module, and transformers parses (one_hf_parse) and dequantizes it for itself, once."""
 from __future__ import annotations
 
 import dataclasses
 import hashlib
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -66,7 +67,28 @@ def prompt_ids(gemma: LoadedModel) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def hf_gemma(gemma_path: str) -> Any:
+def one_hf_parse(gemma_path: str) -> Iterator[None]:
+    """transformers parses the file with gguf-py's GGUFReader (a Python loop over the 262k-piece
+    vocabulary, over 10 s) in load_gguf_checkpoint, which hf_gemma calls and AutoTokenizer calls
+    again just for the config. One reader for the module, handed to both: still gguf-py's
+    parse, nothing of ours; the reader is a read-only memory map."""
+    import gguf
+
+    real = gguf.GGUFReader
+    reader = real(gemma_path)
+
+    def cached(path: str, *args: Any, **kwargs: Any) -> Any:
+        if os.fspath(path) == gemma_path and not args and not kwargs:
+            return reader
+        return real(path, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gguf, "GGUFReader", cached)  # transformers imports it at each call
+        yield
+
+
+@pytest.fixture(scope="module")
+def hf_gemma(gemma_path: str, one_hf_parse: None) -> Any:
     """transformers' Gemma 3 on transformers' reading of the GGUF: its config keys, its own
     defaults for what the file does not store (layer pattern, local RoPE base, softmax scale),
     its dequantization and its norm-offset handling; nothing of ours is shared."""
@@ -302,7 +324,8 @@ def test_tokenizer_known_ids_and_round_trip(gemma: LoadedModel) -> None:
     assert tok.decode(tok.encode("Hello <end_of_turn>")) == "Hello "  # control: skipped
 
 
-def test_tokenizer_matches_transformers(gemma: LoadedModel, gemma_path: str) -> None:
+def test_tokenizer_matches_transformers(gemma: LoadedModel, gemma_path: str,
+                                        one_hf_parse: None) -> None:
     from transformers import AutoTokenizer
 
     ref = AutoTokenizer.from_pretrained(os.path.dirname(gemma_path),

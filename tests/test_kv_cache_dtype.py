@@ -146,7 +146,7 @@ def test_fp8_cache_tokens_do_not_depend_on_chunks_or_preemption(tiny_model_dir, 
 
 
 # ---- the default model: what fp8 costs in accuracy ---------------------------------------------
-def test_smollm2_fp8_cache_accuracy_against_float32(smollm2_path):
+def test_smollm2_fp8_cache_accuracy_against_float32(smollm2_path, smollm2_fp32):
     """The default configuration (bf16 activations, int4 weights) with an E4M3 cache, against
     float32 weights and cache. Measured on the 10 greedy prompts (docs/performance.md): max
     |dlogit| 1.02-3.45 and top-1 agreement 0.83-1.0 over all positions (bf16 cache: 0.29-0.48,
@@ -155,7 +155,7 @@ def test_smollm2_fp8_cache_accuracy_against_float32(smollm2_path):
     from test_model_parity import full_logits
     from test_quantization import GREEDY_PROMPTS, PROMPTS
 
-    fp32 = load_model(smollm2_path, "float32", max_model_len=512, quantization="none")
+    fp32 = smollm2_fp32  # float32 weights, no quantization (conftest)
     default = load_model(smollm2_path, "auto", max_model_len=512, quantization="auto")
     for text in PROMPTS:
         ids = fp32.tokenizer.encode(text)

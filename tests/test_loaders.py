@@ -8,6 +8,7 @@ import math
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers is imported anywhere
 
@@ -29,27 +30,13 @@ def smol_path() -> str:
 
 # --- (a) the real SmolLM2 GGUF against transformers -------------------------------------------
 
-def test_smollm2_gguf_matches_transformers(smol_path: str) -> None:
+def test_smollm2_gguf_matches_transformers(smol_path: str,
+                                          smollm2_hf_checkpoint: dict[str, Any]) -> None:
     # from_pretrained(gguf_file=...) insists on `accelerate` (not installed here) but then runs
     # load_gguf_checkpoint, which parses the metadata, dequantizes with gguf-py and reverses the
-    # q/k permutation with its own code: an independent check of ours.
-    from transformers import LlamaConfig as HFLlamaConfig
-    from transformers import LlamaForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
+    # q/k permutation with its own code: an independent check of ours (conftest reads it once).
     config, weights = load_weights(smol_path)
-    # The skeleton only supplies parameter names for transformers' GGUF->HF name map; the head
-    # counts its un-permutation uses come from its own parse of the file (`ref["config"]`).
-    skeleton_config = HFLlamaConfig(
-        vocab_size=config.vocab_size, hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size, num_hidden_layers=config.num_hidden_layers,
-        num_attention_heads=config.num_attention_heads, num_key_value_heads=config.num_key_value_heads,
-        tie_word_embeddings=True)
-    with torch.device("meta"):
-        skeleton = LlamaForCausalLM(skeleton_config)
-    ref = load_gguf_checkpoint(smol_path, return_tensors=True, model_to_load=skeleton,
-                               torch_dtype=torch.float32)
-    ref_tensors, ref_config = ref["tensors"], ref["config"]
+    ref_tensors, ref_config = smollm2_hf_checkpoint["tensors"], smollm2_hf_checkpoint["config"]
 
     assert set(weights) == set(ref_tensors)  # no lm_head on either side: the head is tied
     for name, tensor in weights.items():

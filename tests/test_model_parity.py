@@ -1,6 +1,7 @@
 """Logits parity with an independent implementation: HF transformers on the same weights."""
 from __future__ import annotations
 
+from typing import Any
 
 import pytest
 import torch
@@ -37,28 +38,19 @@ def full_logits(model: llama.LlamaForCausalLM, ids: list[int], chunk: int | None
 
 
 @pytest.fixture(scope="module")
-def smollm2_fp32(smollm2_path: str) -> LoadedModel:
-    return load_model(smollm2_path, "float32", max_model_len=512)
-
-
-@pytest.fixture(scope="module")
-def hf_smollm2(smollm2_path: str):  # type: ignore[no-untyped-def]
+def hf_smollm2(smollm2_hf_checkpoint: dict[str, Any]) -> Any:
     """transformers' Llama on transformers' own reading of the GGUF (its own dequantization
-    and q/k un-permutation), so nothing of ours is shared with the reference."""
+    and q/k un-permutation, conftest), so nothing of ours is shared with the reference."""
     from transformers import LlamaConfig, LlamaForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    from transformers.initialization import no_init_weights
 
-    parsed = load_gguf_checkpoint(smollm2_path, return_tensors=False)["config"]
+    parsed, tensors = smollm2_hf_checkpoint["config"], smollm2_hf_checkpoint["tensors"]
     keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
             "num_attention_heads", "num_key_value_heads", "rms_norm_eps", "rope_theta",
             "max_position_embeddings")
     config = LlamaConfig(**{k: parsed[k] for k in keys}, tie_word_embeddings=True)
-    with torch.device("meta"):
-        skeleton = LlamaForCausalLM(config)
-    tensors = load_gguf_checkpoint(
-        smollm2_path, return_tensors=True, model_to_load=skeleton, torch_dtype=torch.float32
-    )["tensors"]
-    model = LlamaForCausalLM(config)
+    with no_init_weights():  # every weight is loaded next (copied: the session's stay as read)
+        model = LlamaForCausalLM(config)
     missing, unexpected = model.load_state_dict(tensors, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}  # tied to the embedding
     model.tie_weights()

@@ -138,8 +138,8 @@ def test_avx2_int8_kernel_sums_its_levels_exactly(n, k, rows, monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def fp32(smollm2_path: str) -> LoadedModel:
-    return load_model(smollm2_path, "float32", max_model_len=512, quantization="none")
+def fp32(smollm2_fp32: LoadedModel) -> LoadedModel:
+    return smollm2_fp32  # float32, no quantization (conftest: one load a session)
 
 
 @pytest.fixture(scope="module", params=["float32", "bfloat16"])

@@ -112,8 +112,8 @@ def test_auto_takes_int4_only_where_the_weights_are_4_bit():
 
 
 @pytest.fixture(scope="module")
-def fp32(smollm2_path: str) -> LoadedModel:
-    return load_model(smollm2_path, "float32", max_model_len=512, quantization="none")
+def fp32(smollm2_fp32: LoadedModel) -> LoadedModel:
+    return smollm2_fp32  # float32, no quantization (conftest: one load a session)
 
 
 @pytest.fixture(scope="module")

@@ -43,9 +43,11 @@ def tiny(tiny_model_dir: str) -> Iterator[RemoteServer]:
 @pytest.fixture(scope="module")
 def _smol_server() -> Iterator[RemoteServer]:
     # One request at a time and one queued: the overload test needs exactly that, and the
-    # disconnect tests are unaffected. Default max_model_len leaves room for long requests.
+    # disconnect tests are unaffected. Default max_model_len leaves room for long requests;
+    # half a GiB of KV holds one request of it (8192 tokens: 0.35 GiB).
     server = RemoteServer("smollm2-135m", ["--dtype", "float32", "--max-num-seqs", "1",
-                                           "--max-waiting-requests", "1"])
+                                           "--max-waiting-requests", "1",
+                                           "--kv-cache-memory", "0.5"])
     yield server
     server.close()
 

@@ -104,8 +104,8 @@ def test_forced_preemption_matches_alone(
 
 # ---- the real model: fewer combinations, same property --------------------------------------
 @pytest.fixture(scope="module")
-def smollm2(smollm2_path: str) -> LoadedModel:
-    return load_model(smollm2_path, "float32", max_model_len=512)
+def smollm2(smollm2_fp32: LoadedModel) -> LoadedModel:
+    return smollm2_fp32  # float32, 512 positions (conftest: one load a session)
 
 
 def test_smollm2_chunking_and_preemption_keep_tokens(smollm2: LoadedModel):

@@ -50,11 +50,8 @@ def ours(smol_path: str) -> Tokenizer:
 
 
 @pytest.fixture(scope="module")
-def ref(smol_path: str) -> Any:
-    from transformers import AutoTokenizer
-
-    folder, fname = os.path.split(smol_path)
-    return AutoTokenizer.from_pretrained(folder, gguf_file=fname)
+def ref(smollm2_hf_tokenizer: Any) -> Any:
+    return smollm2_hf_tokenizer  # transformers' tokenizer for the same file (conftest)
 
 
 @pytest.mark.parametrize("text", TEXTS)
@@ -75,6 +72,7 @@ def test_smollm_pre_tokenizer_splits_digits_first(ours: Tokenizer, ref: Any) -> 
 
     assert ours.convert_ids_to_tokens(ours.encode("x  1")) == ["x", "ĠĠ", "1"]
     assert ref.convert_ids_to_tokens(ref.encode("x  1")) == ["x", "Ġ", "Ġ", "1"]
+    original = ref.backend_tokenizer.pre_tokenizer  # put back after: the session shares `ref`
     ref.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Digits(individual_digits=True),
         pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True),
@@ -84,7 +82,7 @@ def test_smollm_pre_tokenizer_splits_digits_first(ours: Tokenizer, ref: Any) -> 
             assert ours.encode(text) == ref.encode(text), text
             assert ours.decode(ours.encode(text), skip_special_tokens=False) == text
     finally:
-        ref.backend_tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        ref.backend_tokenizer.pre_tokenizer = original
 
 
 def test_special_tokens_and_ids(ours: Tokenizer, ref: Any) -> None:
