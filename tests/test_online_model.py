@@ -303,6 +303,28 @@ def test_cache_dir_follows_the_environment(tmp_path, monkeypatch) -> None:
     assert glob.glob(os.path.join(str(tmp_path), "step_model", "*.json"))
 
 
+def test_the_probe_identity_follows_the_cpu_kernels_and_a_forced_isa(monkeypatch) -> None:
+    """A cached fit of other kernels (another version's sources, or an AVX2-only CPU's set run
+    by CHUNKSERVE_CPU_ISA on this one) is another machine's: its key differs."""
+    from types import SimpleNamespace
+
+    from chunkserve.config import EngineConfig
+    from chunkserve.engine.step_probe import probe_identity
+    from chunkserve.model.kernels import cpu_library
+
+    for name in cpu_library.FORCED_ISA:
+        monkeypatch.delenv(name, raising=False)
+    loaded = SimpleNamespace(path="no-such-model.gguf")
+    config = EngineConfig.from_kwargs().resolve(512)
+    base = probe_identity(loaded, config)  # type: ignore[arg-type]
+    assert base["cpu_kernels"] == cpu_library.source_digest()
+    monkeypatch.setenv("CHUNKSERVE_CPU_ISA", "avx2")
+    forced = probe_identity(loaded, config)  # type: ignore[arg-type]
+    assert forced == {**base, "chunkserve_cpu_isa": "avx2"}
+    monkeypatch.setattr(cpu_library, "source_digest", lambda: "other sources")
+    assert probe_identity(loaded, config)["cpu_kernels"] == "other sources"  # type: ignore[arg-type]
+
+
 # ---- the engine's probe ---------------------------------------------------------------------
 class ProbeSpy(OnlineCostModel):
     """Keeps what the engine's start-up probe ran, to refit it on known durations."""

@@ -11,7 +11,8 @@ import re
 from typing import Any
 
 # What keeps chunkserve's kernels, PyTorch's and oneDNN's to a smaller instruction set.
-FORCED_ISA = ("CHUNKSERVE_CPU_ISA", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
+from chunkserve.model.kernels.cpu_library import forced_isa
+
 FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16")
 
 
@@ -26,7 +27,7 @@ def cpu_info() -> dict[str, Any]:
     info: dict[str, Any] = {
         "model": model.group(1).strip() if model else platform.processor() or "unknown",
         "flags": have, "cores": os.cpu_count()}
-    forced = {k: os.environ[k] for k in FORCED_ISA if os.environ.get(k)}
+    forced = forced_isa()
     if forced:
         info["forced_isa"] = forced
     return info
@@ -36,5 +37,5 @@ def cpu_model() -> str:
     """One line: model, cores and flags, e.g. "AMD EPYC, 2 cores, avx2 fma f16c"."""
     info = cpu_info()
     line = f"{info['model']}, {info['cores']} cores, {' '.join(info['flags']) or 'no AVX2'}"
-    forced = [f"{k}={os.environ[k]}" for k in FORCED_ISA if os.environ.get(k)]
+    forced = [f"{k}={v}" for k, v in forced_isa().items()]
     return line + (f" (run as on a smaller CPU: {' '.join(forced)})" if forced else "")

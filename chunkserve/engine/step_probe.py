@@ -43,6 +43,12 @@ def _chunkserve_version() -> str:
     except metadata.PackageNotFoundError:
         return "unknown"
 
+def _cpu_kernels() -> dict[str, str]:
+    from chunkserve.model.kernels import cpu_library
+
+    return {"cpu_kernels": cpu_library.source_digest(),
+            **{name.lower(): value for name, value in cpu_library.forced_isa().items()}}
+
 # The scratch engine's token budget: a 768-token prompt runs as 512 fresh tokens, then 256 after
 # them. Above cost_model.SMALL_GEMM_ROWS (256), so the fit can tell the per-token cost of large
 # steps from the extra cost of small ones.
@@ -84,6 +90,10 @@ def probe_identity(loaded: LoadedModel, config: EngineConfig) -> dict[str, str]:
         # The probe's shapes shrink below this context (_probe_steps).
         "probe_context": str(min(config.max_model_len, PROBE_TOKENS)),
         "chunkserve": _chunkserve_version(),
+        # The CPU kernels as built here: their sources change between versions, and
+        # CHUNKSERVE_CPU_ISA (with PyTorch's and oneDNN's own limits) runs another set of them
+        # on the same CPU.
+        **_cpu_kernels(),
     }
     if mc.device == "cuda":
         identity["gpu"] = torch.cuda.get_device_name()

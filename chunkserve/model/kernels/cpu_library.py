@@ -28,6 +28,9 @@ CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11"
 # `ONEDNN_MAX_CPU_ISA=AVX2` as well to keep PyTorch's own kernels and oneDNN's GEMMs to AVX2.
 # Default `native`: all the CPU has.
 ISAS = {"native": "-march=native", "avx2": "-march=haswell"}
+# The variables that make this CPU run as a smaller one would (above): step times, benchmarks'
+# host lines and caches keyed by the machine record them.
+FORCED_ISA = ("CHUNKSERVE_CPU_ISA", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
 # Linked apart, without -ffast-math: with it, GCC before 13 links crtfastmath.o into a shared
 # library too, whose constructor sets flush-to-zero / denormals-are-zero for the whole process
 # when the library loads: every float op of PyTorch and Python after it would change.
@@ -78,6 +81,11 @@ def isa() -> str:
     return name
 
 
+def forced_isa() -> dict[str, str]:
+    """FORCED_ISA's variables that are set, and their values."""
+    return {name: os.environ[name] for name in FORCED_ISA if os.environ.get(name)}
+
+
 def cflags(target: str) -> list[str]:
     """CFLAGS with `-march` for the instruction set `target` (a key of ISAS)."""
     return [ISAS[target] if f == "-march=native" else f for f in CFLAGS]
@@ -97,14 +105,24 @@ def _sources() -> list[str]:
     return sorted(os.path.join(SOURCE_DIR, n) for n in os.listdir(SOURCE_DIR) if n.endswith(".c"))
 
 
-def _build(cc: str, target: str) -> str:
-    flags = cflags(target)
+def _source_bytes() -> bytes:
     source = b""
     for name in sorted(os.listdir(SOURCE_DIR)):  # the .c files and the headers they include
         with open(os.path.join(SOURCE_DIR, name), "rb") as f:
             source += name.encode() + f.read()
+    return source
+
+
+def source_digest() -> str:
+    """A digest of the kernels' sources: what a build of them is (the step-time model's cache
+    is keyed by it too: other kernels, other step times)."""
+    return hashlib.sha256(_source_bytes()).hexdigest()[:16]
+
+
+def _build(cc: str, target: str) -> str:
+    flags = cflags(target)
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256(source + " ".join(flags + LDFLAGS).encode() + version.encode()
+    key = hashlib.sha256(_source_bytes() + " ".join(flags + LDFLAGS).encode() + version.encode()
                          + _cpu_id().encode()).hexdigest()[:16]
     path = os.path.join(cache_dir(), f"cpu_kernels-{key}.so")
     if os.path.isfile(path):
