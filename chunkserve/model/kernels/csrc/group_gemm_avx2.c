@@ -186,8 +186,9 @@ block_rows(int bits, const int8_t *xq, const float *d, const float *s, const flo
 #define TROWS 6
 /* Below 20 rows (decode steps) the weights stream from DRAM once a call either way, and
  * unpacking them to the buffer first was slower: 16.0 against 12.8 ms at 8 rows, 26.7 against
- * 25.0 at 16, even at 20 (SmolLM2's 120 GEMMs, each its own weights, one core). In cache, at 256
- * rows, this path is 1.5-1.8x the other (docs/performance.md, issue 33). */
+ * 25.0 at 16, even at 20 (SmolLM2's 120 GEMMs, each its own weights, one core). From cache, at
+ * 64-512 rows on 2 threads, the kernel with this path and keep_in_register takes 0.69-0.71 of
+ * the time it took before both (docs/performance.md, issue 33). */
 #define WIDE_MIN_ROWS 20
 
 /* Blocks b .. b+V-1's levels as bytes lv [groups, 8 quads, V, 32], their scales fs and centred
