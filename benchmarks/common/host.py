@@ -10,7 +10,7 @@ import platform
 import re
 from typing import Any
 
-# What keeps chunkserve's kernels, PyTorch's and oneDNN's to a smaller instruction set.
+# forced_isa: what keeps chunkserve's kernels, PyTorch's and oneDNN's to a smaller instruction set
 from chunkserve.model.kernels.cpu_library import forced_isa
 
 FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16")

@@ -43,11 +43,16 @@ def _chunkserve_version() -> str:
     except metadata.PackageNotFoundError:
         return "unknown"
 
+
 def _cpu_kernels() -> dict[str, str]:
+    """The CPU kernels as built here: their sources change between versions, and
+    CHUNKSERVE_CPU_ISA (with PyTorch's and oneDNN's own limits) runs another set of them on the
+    same CPU."""
     from chunkserve.model.kernels import cpu_library
 
     return {"cpu_kernels": cpu_library.source_digest(),
             **{name.lower(): value for name, value in cpu_library.forced_isa().items()}}
+
 
 # The scratch engine's token budget: a 768-token prompt runs as 512 fresh tokens, then 256 after
 # them. Above cost_model.SMALL_GEMM_ROWS (256), so the fit can tell the per-token cost of large
@@ -90,13 +95,11 @@ def probe_identity(loaded: LoadedModel, config: EngineConfig) -> dict[str, str]:
         # The probe's shapes shrink below this context (_probe_steps).
         "probe_context": str(min(config.max_model_len, PROBE_TOKENS)),
         "chunkserve": _chunkserve_version(),
-        # The CPU kernels as built here: their sources change between versions, and
-        # CHUNKSERVE_CPU_ISA (with PyTorch's and oneDNN's own limits) runs another set of them
-        # on the same CPU.
-        **_cpu_kernels(),
     }
     if mc.device == "cuda":
         identity["gpu"] = torch.cuda.get_device_name()
+    else:
+        identity.update(_cpu_kernels())
     pc = config.parallel_config
     if pc.tensor_parallel_size > 1:  # (absent at 1: one process's cached fits stay valid)
         identity["tensor_parallel_size"] = str(pc.tensor_parallel_size)
