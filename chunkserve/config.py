@@ -117,31 +117,54 @@ DEFAULT_KV_CACHE_GIB = 2.0
 class ParallelConfig:
     # vLLM's -tp: ranks that each hold a shard of every layer (engine/tp_executor.py).
     tensor_parallel_size: int = 1
-    # vLLM's multi-node flags: the ranks split evenly over `nnodes` machines, node k hosting
-    # ranks k*L .. k*L+L-1 (L = ranks_per_node). Node 0 runs the engine and rank 0, whose store
-    # listens at master_addr:master_port; the other nodes run only their ranks (tp_headless.py).
+    # vLLM's multi-node flags. With one engine the ranks split evenly over `nnodes` machines,
+    # node k hosting ranks k*L .. k*L+L-1 (L = ranks_per_node). Node 0 runs the engine and rank
+    # 0, whose store listens at master_addr:master_port; the other nodes run only their ranks
+    # (tp_headless.py). With data_parallel_size > 1 the *engines* split over the nodes instead,
+    # each with its tensor-parallel ranks on its own node (serve/dp_headless.py).
     nnodes: int = 1
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int = 0  # 0: a free port, which only node 0 itself can then know
+    # vLLM's -dp: whole engines behind one API server (`serve` only: serve/engine_proc.py).
+    data_parallel_size: int = 1
 
     @property
     def ranks_per_node(self) -> int:
+        if self.data_parallel_size > 1:
+            return self.tensor_parallel_size  # an engine's ranks never leave its node
         return self.tensor_parallel_size // self.nnodes
 
     @property
     def node_ranks(self) -> range:
-        """The ranks this node hosts."""
+        """The ranks this node hosts (one engine over several nodes)."""
         first = self.node_rank * self.ranks_per_node
         return range(first, first + self.ranks_per_node)
 
+    @property
+    def node_engines(self) -> range:
+        """The data-parallel engines this node hosts: node k the k-th equal run of them."""
+        per = self.data_parallel_size // self.nnodes
+        return range(self.node_rank * per, (self.node_rank + 1) * per)
+
+    def one_engine(self) -> ParallelConfig:
+        """What one data-parallel engine runs with: its own tensor-parallel group on its own
+        node, whose store takes a free port (the multi-node flags are the server's)."""
+        return replace(self, data_parallel_size=1, nnodes=1, node_rank=0,
+                       master_addr="127.0.0.1", master_port=0)
+
     def verify(self) -> None:
-        tp, nnodes = self.tensor_parallel_size, self.nnodes
+        tp, dp, nnodes = self.tensor_parallel_size, self.data_parallel_size, self.nnodes
         if tp < 1:
             raise ValueError(f"tensor_parallel_size must be at least 1, got {tp}.")
+        if dp < 1:
+            raise ValueError(f"--data-parallel-size must be at least 1, got {dp}.")
         if nnodes < 1:
             raise ValueError(f"nnodes (--nnodes) must be at least 1, got {nnodes}.")
-        if tp % nnodes:
+        if dp > 1 and dp % nnodes:
+            raise ValueError(f"--data-parallel-size {dp} must divide evenly by --nnodes "
+                             f"{nnodes}: every node hosts the same number of engines.")
+        if dp == 1 and tp % nnodes:
             raise ValueError(f"--tensor-parallel-size {tp} must divide evenly by --nnodes "
                              f"{nnodes}: every node hosts the same number of ranks.")
         if not 0 <= self.node_rank < nnodes:
@@ -151,7 +174,11 @@ class ParallelConfig:
             raise ValueError(f"--master-port must be in [0, 65535], got {self.master_port}.")
         if nnodes > 1 and self.master_port == 0:
             raise ValueError(f"--nnodes {nnodes} needs an explicit --master-port: every node "
-                             "must know where node 0's rank 0 listens.")
+                             "must know where node 0 listens.")
+        if dp > 1 and nnodes == 1 and self.master_port:
+            raise ValueError("--master-port is where node 0 listens for the other nodes' "
+                             "engines: with --data-parallel-size on one node it has no use "
+                             "(each engine's tensor-parallel group takes a free port).")
         if not self.master_addr:
             raise ValueError("--master-addr must not be empty.")
         if nnodes > 1 and self.master_addr in ("0.0.0.0", "::"):

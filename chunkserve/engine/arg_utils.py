@@ -54,15 +54,17 @@ def add_engine_args(p: argparse.ArgumentParser, model_flag: bool = True) -> None
                         "MLP size must divide by it")
     p.add_argument("--nnodes", type=int, default=1,
                    help="machines the --tensor-parallel-size ranks are spread over, evenly: "
-                        "node k hosts ranks k*N/nnodes onwards (docs/parallel.md)")
+                        "node k hosts ranks k*N/nnodes onwards; with `serve "
+                        "--data-parallel-size`, the engines instead (docs/parallel.md)")
     p.add_argument("--node-rank", type=int, default=0,
                    help="this machine's node: 0 runs the engine (and the server); the others "
-                        "run only their ranks (headless), with the engine flags of node 0")
+                        "run only their ranks or engines (headless), with node 0's engine "
+                        "flags")
     p.add_argument("--master-addr", default="127.0.0.1",
                    help="node 0's address, reachable from every node (default %(default)s)")
     p.add_argument("--master-port", type=int, default=0,
-                   help="the port rank 0's store listens on, on node 0 (needed with --nnodes "
-                        "> 1; default: a free port)")
+                   help="the port node 0 listens on for the other nodes (rank 0's store, or "
+                        "the server's with --data-parallel-size); needed with --nnodes > 1")
     g = p.add_argument_group("scheduling")
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None)
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
@@ -143,6 +145,7 @@ ENGINE_KEYS = (
     "swap_space", "trace_file", "trace_format", "enable_prefix_caching", "kv_cache_dtype", "chunk_policy",
     "target_itl_ms", "min_chunk_tokens", "disable_hybrid_kv_cache_manager",
     "tensor_parallel_size", "nnodes", "node_rank", "master_addr", "master_port",
+    "data_parallel_size",  # `serve` only (its server flags)
     # Not a flag: the adaptive policy's step-time model, which the command line builds from
     # --cost-model (cli.py; the engine cannot import the simulator's cost models).
     "step_time",

@@ -131,6 +131,9 @@ class LLMEngine:
         from chunkserve.engine.model_runner import ModelRunner
         from chunkserve.model.factory import load_configured
 
+        if config.parallel_config.data_parallel_size > 1:
+            raise ValueError("data_parallel_size > 1 is several engines behind one server: "
+                             "`chunkserve serve --data-parallel-size`; an engine is one")
         executor: Executor
         if config.parallel_config.tensor_parallel_size > 1:
             executor, loaded, config = _tensor_parallel(config, loaded)

@@ -107,7 +107,7 @@ def worker_main(spec: WorkerSpec) -> None:
     threading.Thread(target=_watch_store, args=(spec.rendezvous, stopping, name),
                      name=f"{name}-store-watch", daemon=True).start()
     if spec.own_config is not None:
-        _warn_if_flags_differ(name, spec.own_config, config)
+        warn_if_flags_differ(name, spec.own_config, config)
     try:
         runner = load_rank(config, group)[2]
     except ValueError as e:
@@ -137,12 +137,13 @@ def _watch_store(rendezvous: Rendezvous, stopping: threading.Event, name: str) -
                         f"{first_line(e)}")
 
 
-def _warn_if_flags_differ(name: str, own: EngineConfig, rank0: EngineConfig) -> None:
-    """The flags a rank's own work depends on: its load and its KV pool. (The scheduler's
-    run on rank 0 alone.)"""
-    differ = [f.name for part in ("model_config", "cache_config")
-              for f in fields(getattr(own, part))
-              if getattr(getattr(own, part), f.name) != getattr(getattr(rank0, part), f.name)]
+def warn_if_flags_differ(name: str, own: EngineConfig, node0: EngineConfig,
+                         parts: tuple[str, ...] = ("model_config", "cache_config")) -> None:
+    """Warns where this node's flags in `parts` differ from node 0's, which it runs with. A
+    rank's own work depends on its load and its KV pool (the scheduler runs on rank 0 alone);
+    a data-parallel engine's on its scheduler's flags too."""
+    differ = [f.name for part in parts for f in fields(getattr(own, part))
+              if getattr(getattr(own, part), f.name) != getattr(getattr(node0, part), f.name)]
     if differ:
         logger.warning("%s: this node's flags differ from node 0's (%s): node 0's are used, "
                        "and the model must be at the same path on every node", name,

@@ -75,6 +75,14 @@ class StopProfile:
 STOP = "stop"  # a plain string: it must compare equal after crossing a process boundary
 
 
+@dataclass(frozen=True)
+class Stop:
+    """STOP with its own reason, which the requests still held fail with (a headless node
+    shut down: serve/dp_headless.py); STOP's is "the server is shutting down"."""
+
+    reason: str
+
+
 # ---- events (loop -> front end) -----------------------------------------------------------------
 @dataclass
 class LoopEvent:
@@ -112,6 +120,7 @@ class EngineLoop:
         self._num_tokens: dict[str, int] = {}  # output tokens already reported, per request
         self._num_applied = 0
         self._refusal: str | None = None  # the FailAll reason: later adds are refused with it
+        self._stop_reason = "the server is shutting down"
         self._event = LoopEvent()
 
     def run(self) -> None:
@@ -138,7 +147,7 @@ class EngineLoop:
         finally:
             if self.profiler is not None:
                 self.profiler.discard()
-        self._fail_all(EngineDeadError("the server is shutting down"))
+        self._fail_all(EngineDeadError(self._stop_reason))
         self._flush()
 
     def _drain_commands(self, block: bool) -> bool:
@@ -148,7 +157,9 @@ class EngineLoop:
         except queue.Empty:
             return True
         while True:
-            if cmd == STOP:
+            if isinstance(cmd, Stop):
+                self._stop_reason = cmd.reason
+            if cmd == STOP or isinstance(cmd, Stop):
                 return False
             self._apply(cmd)
             try:

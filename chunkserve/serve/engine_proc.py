@@ -11,6 +11,11 @@ Each engine gets its own share of the cores (CPU affinity, inherited by its tens
 workers), as vLLM gives each CPU rank its own cores. An engine that exits unasked is reported
 to the front end as dead: its requests fail and the server stops. An engine whose API server
 dies exits too (engine/parent_watch.py), so none is left orphaned.
+
+With `--nnodes` the engines split evenly over the machines: node 0 runs the API server and its
+own share here; every other node runs its share under a headless launch
+(serve/dp_headless.py), whose engines reach the server through node 0's store
+(serve/dp_remote.py, serve/store_queue.py).
 """
 from __future__ import annotations
 
@@ -20,7 +25,8 @@ import queue
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Protocol
 
 import torch.multiprocessing as mp
 
@@ -28,8 +34,11 @@ from chunkserve.config import EngineConfig
 from chunkserve.engine.cpu_binding import ENV, explicit_lists, rank_cores
 from chunkserve.engine.parent_watch import exit_with_parent
 from chunkserve.engine.profiler import engine_profiler
-from chunkserve.serve.engine_client import EngineInfo, EventHandler
-from chunkserve.serve.engine_loop import STOP, EngineLoop, LoopEvent
+from chunkserve.serve.engine_client import EngineClient, EngineInfo, EventHandler
+from chunkserve.serve.engine_loop import STOP, CommandQueue, EngineLoop, LoopEvent
+
+if TYPE_CHECKING:
+    from chunkserve.serve.dp_remote import RemoteEngineClient
 
 log = logging.getLogger("chunkserve.server")
 POLL_S = 0.2  # how often a waiting reader checks that its engine process still lives
@@ -60,8 +69,14 @@ def split_cores(num_engines: int, tp: int = 1) -> list[tuple[tuple[int, ...], st
              "|".join(",".join(map(str, group)) for group in m)) for m in mine]
 
 
-def _engine_main(spec: EngineSpec, commands: mp.Queue, events: mp.Queue) -> None:
-    """An engine process: build the engine, say so, run the loop until told to stop."""
+class EventSink(Protocol):
+    def put(self, obj: object) -> None: ...
+
+
+def _engine_main(spec: EngineSpec, commands: CommandQueue, events: EventSink) -> None:
+    """An engine process: build the engine, say so, run the loop until told to stop. Its
+    queues are torch.multiprocessing ones, or node 0's store's for an engine of another node
+    (serve/store_queue.py)."""
     import torch
 
     from chunkserve.engine.llm_engine import LLMEngine
@@ -89,6 +104,16 @@ def _engine_main(spec: EngineSpec, commands: mp.Queue, events: mp.Queue) -> None
         engine.close()
 
 
+def spawn_engine(spec: EngineSpec, commands: CommandQueue, events: EventSink) -> mp.Process:
+    """Starts engine `spec.index` in a process of its own, reading `commands` and sending
+    its events to `events`."""
+    # Not a daemon: a daemon process may not start the tensor-parallel workers of its own.
+    process = mp.get_context("spawn").Process(target=_engine_main, name=f"engine-{spec.index}",
+                                              args=(spec, commands, events))
+    process.start()
+    return process
+
+
 class EngineProcessClient:
     """One engine process, as the front end's EngineClient (serve/engine_client.py)."""
 
@@ -97,10 +122,7 @@ class EngineProcessClient:
         self.index = spec.index
         self._commands = ctx.Queue()
         self._events = ctx.Queue()
-        # Not a daemon: a daemon process may not start the tensor-parallel workers of its own.
-        self.process = ctx.Process(target=_engine_main, name=f"engine-{spec.index}",
-                                   args=(spec, self._commands, self._events))
-        self.process.start()
+        self.process = spawn_engine(spec, self._commands, self._events)
         self._stopping = False
         self._receiver: threading.Thread | None = None
         self.info: EngineInfo  # set by wait_ready
@@ -179,23 +201,36 @@ class EngineProcessClient:
                 return
 
 
-def start_engines(config: EngineConfig, num_engines: int, timeout: float = 600.0,
-                  profiler_dir: str | None = None) -> list[EngineProcessClient]:
-    """`num_engines` engine processes, loaded in parallel; all stopped if any fails.
-    `profiler_dir`: each engine profiles itself into it on /start_profile (None: off)."""
-    tp = config.parallel_config.tensor_parallel_size
-    specs = [EngineSpec(config, i, cores, bind, profiler_dir)
-             for i, (cores, bind) in enumerate(split_cores(num_engines, tp))]
-    clients: list[EngineProcessClient] = []
+def engine_specs(config: EngineConfig, profiler_dir: str | None = None) -> list[EngineSpec]:
+    """The engines this node runs (`config`'s node_engines), each on its share of the node's
+    cores, with its own tensor-parallel group on this node."""
+    pc = config.parallel_config
+    one = replace(config, parallel_config=pc.one_engine())
+    local = pc.node_engines
+    return [EngineSpec(one, i, cores, bind, profiler_dir) for i, (cores, bind)
+            in zip(local, split_cores(len(local), pc.tensor_parallel_size), strict=True)]
+
+
+def start_engines(config: EngineConfig, timeout: float = 600.0,
+                  profiler_dir: str | None = None) -> list[EngineClient]:
+    """The `data_parallel_size` engines of `config`, in index order: this node's as processes,
+    loaded in parallel with the other nodes' (`--nnodes`: serve/dp_remote.py); all stopped if
+    any fails. `profiler_dir`: this node's engines profile into it on /start_profile."""
+    pc = config.parallel_config
+    clients: list[EngineProcessClient | RemoteEngineClient] = []
     try:
-        for spec in specs:
+        for spec in engine_specs(config, profiler_dir):
             clients.append(EngineProcessClient(spec))
+        if pc.nnodes > 1:
+            from chunkserve.serve.dp_remote import serve_other_nodes
+
+            clients += serve_other_nodes(config)
+            clients.sort(key=lambda c: c.index)
         for client in clients:
             client.wait_ready(timeout)
     except BaseException:
         for client in clients:
             client.shutdown(JOIN_TIMEOUT_S)
         raise
-    log.info("%d data-parallel engines ready, cores %s", num_engines,
-             [list(s.cores) for s in specs])
-    return clients
+    log.info("%d data-parallel engines ready, over %d node(s)", len(clients), pc.nnodes)
+    return list(clients)

@@ -43,8 +43,8 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                    help="engine processes behind this server, each with its own scheduler, "
                         "KV pool and share of the cores; requests go to the least loaded, "
-                        "or to the one that recently served the same prompt prefix "
-                        "(docs/parallel.md)")
+                        "or to the one that recently served the same prompt prefix. With "
+                        "--nnodes they split evenly over the nodes (docs/parallel.md)")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-key", default=os.environ.get("CHUNKSERVE_API_KEY"),
@@ -143,13 +143,24 @@ def _build_engines(args: argparse.Namespace) -> list[EngineClient]:
     if args.data_parallel_size > 1:
         from chunkserve.serve.engine_proc import start_engines
 
-        return list(start_engines(config_from_args(args), args.data_parallel_size,
-                                  profiler_dir=args.profiler_dir))
+        return start_engines(config_from_args(args), profiler_dir=args.profiler_dir)
     from chunkserve.serve.engine_client import InProcessClient
 
     compute = ComputeThread()
     return [InProcessClient(compute.call(lambda: build_engine(args)), compute,
                             profiler_dir=args.profiler_dir)]
+
+
+def _run_headless(args: argparse.Namespace) -> int:
+    """Node k > 0: its share of the data-parallel engines, or of one engine's ranks."""
+    config = config_from_args(args)  # verified: the flags' errors come before any connection
+    if args.data_parallel_size > 1:
+        from chunkserve.serve.dp_headless import run_dp_headless
+
+        return run_dp_headless(config, _profiler_dir(args))
+    from chunkserve.engine.tp_headless import run_headless
+
+    return run_headless(config)
 
 
 def _profiler_dir(args: argparse.Namespace) -> str | None:
@@ -168,9 +179,8 @@ def run_server(args: argparse.Namespace) -> int:
 
     if args.model_tag is not None:
         args.model = args.model_tag
-    if args.node_rank > 0:  # a secondary node: its ranks only (no scheduler, no HTTP server)
-        from chunkserve.engine.tp_headless import run_headless
-        return run_headless(config_from_args(args))
+    if args.node_rank > 0:  # a secondary node: its ranks or engines only (no HTTP server)
+        return _run_headless(args)
     if args.max_waiting_requests is not None and args.max_waiting_requests < 1:
         raise ValueError("--max-waiting-requests must be at least 1")
     if not args.shutdown_timeout >= 0:
@@ -179,12 +189,6 @@ def run_server(args: argparse.Namespace) -> int:
         raise ValueError("--limit-concurrency must be at least 1")
     if not args.timeout_keep_alive > 0:
         raise ValueError("--timeout-keep-alive must be positive")
-    if args.data_parallel_size < 1:
-        raise ValueError("--data-parallel-size must be at least 1")
-    if args.data_parallel_size > 1 and (args.nnodes > 1 or args.master_port):
-        raise ValueError("--data-parallel-size runs its engines on this node, each with a "
-                         "tensor-parallel group on a free port of its own: --nnodes and "
-                         "--master-port apply to one engine's ranks only (docs/parallel.md)")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice requires --tool-call-parser "
                          f"(one of {', '.join(sorted(TOOL_CALL_PARSERS))})")
