@@ -38,7 +38,7 @@ QUANTIZATIONS = ("auto", "int4", "int8", "none")
 # vLLM's --kv-cache-dtype: auto = the model's dtype; fp8 = fp8_e4m3 (one byte a value, half of
 # bfloat16's K/V bytes: twice the tokens in the same memory, half the reads of decode attention).
 FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2")
-KV_CACHE_DTYPES = ("auto", *FP8_KV_CACHE_DTYPES)
+KV_CACHE_DTYPES = ("auto", "bfloat16", *FP8_KV_CACHE_DTYPES)
 
 # vLLM's server default budget; also the article's "balanced" setting.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048

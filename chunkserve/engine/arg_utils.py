@@ -85,9 +85,11 @@ def add_engine_args(p: argparse.ArgumentParser, model_flag: bool = True) -> None
     c.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse the KV of full blocks shared with earlier prompts (vLLM V1: on)")
     c.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
-                   help="auto: the model's dtype; fp8 (= fp8_e4m3) or fp8_e5m2: one byte a "
-                        "value, unscaled (twice the tokens, half the attention reads; less "
-                        "accurate; cpu and torch attention backends)")
+                   help="auto: the model's dtype; bfloat16: two bytes a value (under a "
+                        "float32 model, as on CPUs without AVX512_BF16: twice the tokens, half "
+                        "the attention reads); fp8 (= fp8_e4m3) or fp8_e5m2: one byte a "
+                        "value, unscaled (less accurate); narrower than the model's dtype: cpu "
+                        "and torch attention backends")
     c.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
                    help="one block table for all layers: sliding-window layers keep every "
                         "block instead of freeing what left their window (vLLM's flag)")

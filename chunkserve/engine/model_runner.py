@@ -13,7 +13,7 @@ from chunkserve.engine.cuda_graph import CUDAGraphRunner, capture_sizes
 from chunkserve.engine.executor import RunnerOutput
 from chunkserve.engine.input_batch import build_layout, sample_rows
 from chunkserve.engine.sampler import Sampler, SamplingRow, logprob_entries
-from chunkserve.model.attention.backend import FP8_BY_NAME
+from chunkserve.model.attention.backend import KV_DTYPE_BY_NAME
 from chunkserve.model.batch import BatchLayout, BatchTensors, DeviceStager, PerLayer
 from chunkserve.model.models.interface import CausalLM
 
@@ -23,11 +23,12 @@ def kv_cache_dtype(model: CausalLM, name: str = "auto") -> torch.dtype:
     attention backend cannot read it."""
     if name == "auto":
         return model.kv_dtype
-    if not model.attn.supports_fp8_kv_cache:
+    dtype = KV_DTYPE_BY_NAME[name]
+    if dtype is not model.kv_dtype and not model.attn.supports_narrow_kv_cache:
         raise ValueError(f"--kv-cache-dtype {name} is not supported by the {model.attn.name!r} "
                          "attention backend; use --attention-backend cpu or torch, or "
                          "--kv-cache-dtype auto.")
-    return FP8_BY_NAME[name]
+    return dtype
 
 
 def kv_cache_groups(model: CausalLM, hybrid: bool = True) -> KVCacheGroups:

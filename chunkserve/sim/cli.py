@@ -66,7 +66,7 @@ def add_target_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                    help="fp8*: one byte a K/V value (a preset's KV capacity doubles and its "
-                        "decode attention reads half); auto: the model's dtype")
+                        "decode attention reads half); bfloat16: two; auto: the model's dtype")
     p.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
                    help="as the engine's flag: one block table for all layers, so a "
                         "sliding-window model's local layers keep every block (its KV capacity "
@@ -110,6 +110,8 @@ def build_target(args: argparse.Namespace) -> SimTarget:
     hw, model = get_hardware(args.hardware), get_model(args.model)
     if args.kv_cache_dtype in FP8_KV_CACHE_DTYPES:
         model = dataclasses.replace(model, kv_dtype_bytes=1)
+    elif args.kv_cache_dtype == "bfloat16":
+        model = dataclasses.replace(model, kv_dtype_bytes=2)
     cost = RooflineCostModel(hw, model, args.tensor_parallel_size, args.attention_backend)
     max_len = args.max_model_len or model.max_position_embeddings
     groups = model.kv_cache_groups(max_len) if hybrid else None

@@ -37,6 +37,9 @@ from chunkserve.model.batch import BatchTensors
 FP8_BY_NAME = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
                "fp8_e5m2": torch.float8_e5m2}
 FP8_DTYPES = tuple(dict.fromkeys(FP8_BY_NAME.values()))
+# Every `--kv-cache-dtype` but auto (vLLM's names). bfloat16 under a float32 model halves the
+# bytes a decode reads (the CPU engine on CPUs without AVX512_BF16 runs float32 activations).
+KV_DTYPE_BY_NAME = {"bfloat16": torch.bfloat16, **FP8_BY_NAME}
 
 
 class AttentionBackend(Protocol):
@@ -44,8 +47,9 @@ class AttentionBackend(Protocol):
     # Whether forward() reads only fixed-shape device tensors (no host values per request), so
     # a decode step can be captured in a CUDA graph and replayed with new inputs.
     supports_cuda_graphs: bool
-    # Whether it reads and writes KV caches in the FP8_DTYPES (the model's dtype it always does).
-    supports_fp8_kv_cache: bool
+    # Whether it reads and writes KV caches narrower than the model's dtype (the FP8_DTYPES, and
+    # bfloat16 under float32 queries); the model's dtype it always does.
+    supports_narrow_kv_cache: bool
     # The softmax scale, head_dim^-0.5 unless the model sets its own (Gemma 3:
     # query_pre_attn_scalar^-0.5); read by every forward(), so a model may set it once built.
     scale: float

@@ -7,11 +7,13 @@ Per-request SDPA costs ~0.15 ms of fixed overhead per call, plus a concatenation
 request's blocks are not consecutive; at 16 decodes that is most of the step. Prefill chunks
 go to `kernels/csrc/chunk_attention_bf16.c` (flash attention in AVX512_BF16, also in place) when
 the cache is bfloat16 and the CPU has those instructions: 2-3x PyTorch's fused SDPA there; and
-float32 chunks over float32 caches to `kernels/csrc/chunk_attention_avx2.c`, the same design in
-AVX2 and FMA (any x86-64-v3 CPU). Elsewhere (float32 queries over fp8 caches, no AVX2) chunks
-keep the torch backend's SDPA, one call per chunk (docs/performance.md has the measurements).
-The decode kernel and the bf16 chunk kernel also read fp8 caches (`--kv-cache-dtype fp8`),
-widening each value to bfloat16 or float32 exactly as they read it.
+float32 chunks over float32 or bfloat16 caches to `kernels/csrc/chunk_attention_avx2.c`, the
+same design in AVX2 and FMA (any x86-64-v3 CPU). Elsewhere (float32 queries over fp8 caches, no
+AVX2) chunks keep the torch backend's SDPA, one call per chunk (docs/performance.md has the
+measurements). The decode kernel and the bf16 chunk kernel also read fp8 caches
+(`--kv-cache-dtype fp8`), and the decode kernel and the float32 chunk kernel bfloat16 caches
+under float32 queries (`--kv-cache-dtype bfloat16`), widening each value exactly as they read
+it.
 
 A sliding window goes to both kernels as one number per call (the KV-cache group's): each
 starts a request's keys at the oldest one its queries see, so the blocks before (maybe freed,
@@ -31,6 +33,9 @@ from chunkserve.model.kernels import cpu_library
 from chunkserve.model.attention.backend import FP8_DTYPES
 from chunkserve.model.attention.torch_backend import TorchMetadata, TorchPagedAttention
 from chunkserve.model.batch import BatchTensors
+
+_NARROW_CACHES = (torch.bfloat16, *FP8_DTYPES)  # caches the kernels read under wider queries
+_F32_CHUNK_CACHES = (torch.float32, torch.bfloat16)  # what the float32 chunk kernel reads
 
 
 @dataclass
@@ -146,24 +151,25 @@ class CpuPagedAttention(TorchPagedAttention):
     def _chunk_kernel_for(self, dtype: torch.dtype, kv_dtype: torch.dtype
                           ) -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
         """The chunk kernel for these queries and caches: bf16 queries (bf16 or fp8 caches) take
-        the AVX512_BF16 one, float32 queries over float32 caches the AVX2 one (fp8 caches under
-        float32 queries: SDPA); None where this build lacks it."""
+        the AVX512_BF16 one, float32 queries over float32 or bfloat16 caches the AVX2 one (fp8
+        caches under float32 queries: SDPA); None where this build lacks it."""
         if dtype is torch.bfloat16:
             return self._chunk_kernel
-        return self._chunk_kernel_f32 if kv_dtype is torch.float32 else None
+        return self._chunk_kernel_f32 if kv_dtype in _F32_CHUNK_CACHES else None
 
     @staticmethod
     def _check_dtypes(*tensors: torch.Tensor) -> None:
         """The C calls take q, K/V and output all float32 or all bfloat16, and the two caches
-        (last) that dtype too or both fp8; contiguous (the caches always are). Once per layer:
-        written without generators, it costs well under a microsecond."""
+        (last) that dtype too, both fp8, or (under float32) both bfloat16; contiguous (the caches
+        always are). Once per layer: written without generators, it costs well under a
+        microsecond."""
         dtype, k_cache, v_cache = tensors[0].dtype, tensors[-2], tensors[-1]
         ok = (dtype is torch.float32 or dtype is torch.bfloat16) and k_cache.dtype is v_cache.dtype
         for t in tensors[:-2]:
             ok = ok and t.dtype is dtype
-        ok = ok and (k_cache.dtype is dtype or k_cache.dtype in FP8_DTYPES)
+        ok = ok and (k_cache.dtype is dtype or k_cache.dtype in _NARROW_CACHES)
         if not ok:
             raise TypeError(f"the CPU attention kernels take q, K/V and output all float32 or all "
-                            f"bfloat16, and a KV cache of that dtype or fp8, got "
+                            f"bfloat16, and a KV cache of that dtype, bfloat16 or fp8, got "
                             f"{[str(t.dtype) for t in tensors]}")
         assert k_cache.is_contiguous() and v_cache.is_contiguous()

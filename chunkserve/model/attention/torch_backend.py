@@ -69,7 +69,7 @@ _CUDA_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBac
 class TorchPagedAttention:
     name = "torch"
     supports_cuda_graphs = False  # the per-request loop reads host values
-    supports_fp8_kv_cache = True  # K/V are widened to the query's dtype as they are read
+    supports_narrow_kv_cache = True  # K/V are widened to the query's dtype as they are read
     # Query rows of a windowed chunk's band (at least the window): fewer SDPA calls against
     # fewer keys read and masked per row (a band of R rows reads R + W - 1 keys).
     band_rows = 256

@@ -22,7 +22,7 @@ class TritonMetadata:
 class TritonPagedAttention:
     name = "triton"
     supports_cuda_graphs = True  # reads only the batch's device tensors
-    supports_fp8_kv_cache = False  # its kernels read K/V in the model dtype only, for now
+    supports_narrow_kv_cache = False  # its kernels read K/V in the model dtype only, for now
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         self.num_heads = num_heads

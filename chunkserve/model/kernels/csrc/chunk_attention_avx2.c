@@ -1,7 +1,8 @@
-/* Prefill-chunk attention on the CPU for float32 caches, on CPUs with AVX2 and FMA (x86-64-v3):
+/* Prefill-chunk attention on the CPU for float32 queries, on CPUs with AVX2 and FMA (x86-64-v3):
  * every chunk of a step (a query run of more than one token), one call per layer, K/V read in
  * place from the paged cache. The float32 counterpart of chunk_attention_bf16.c, for the CPUs
- * without AVX512_BF16, whose engine runs float32 activations and caches.
+ * without AVX512_BF16, whose engine runs float32 activations over a float32 cache, or a
+ * bfloat16 one (`--kv-cache-dtype bfloat16`: half the bytes a decode reads).
  *
  * Why not PyTorch's SDPA, as before: each chunk was one call, over K/V gathered out of the
  * blocks and repeated per query head (GQA), and a chunk after a prefix took two calls merged by
@@ -24,8 +25,12 @@
  *     as a lane mask on every step; a task's key loop starts at its first row's oldest visible
  *     key, so blocks before it (which the KV cache may have freed) are never read.
  * Tasks go to threads with a dynamic schedule, each chunk's longest (last) tiles first.
+ * A bfloat16 cache's rows of a step are widened to float32 once (into the task's scratch) and
+ * then serve every query head of the group as a float32 cache's rows would: the widening is
+ * one shift per 8 values against 2 * group * TILE / 8 multiply-adds.
  *
- * Layouts (contiguous, float32; `kv_kind` must be storage.h's KIND_F32):
+ * Layouts (contiguous; q, out float32; the caches as `kv_kind`: storage.h's KIND_F32 or
+ * KIND_BF16):
  *   q, out       [T, heads, head_dim]; chunk s owns rows q_starts[s] .. + q_lens[s]
  *   k/v_cache    [num_blocks, block_size, kv_heads, head_dim]
  *   block_table  [num_seqs, table_width] int64; seq_lens, q_starts, q_lens [num_seqs] int64
@@ -61,12 +66,14 @@
 #define HAVE_CHUNK_KERNEL 1
 
 typedef struct {
-    const float *q, *k_cache, *v_cache;
+    const float *q;
+    const void *k_cache, *v_cache; /* stored as kv_kind */
     float *out;
     const int64_t *block_table, *seq_lens, *q_starts, *q_lens;
     int64_t table_width, heads, kv_heads, block_size;
     int64_t window; /* 0: none */
     float scale;
+    int kv_kind;
 } Chunks;
 
 /* exp(x) for x <= 0 (the softmax's arguments): 2^(x log2 e) split into 2^n * 2^f, |f| <= 1/2,
@@ -102,6 +109,35 @@ typedef struct {
 
 /* (A multiple of 8 floats: every state, and each array in it, stays 32-byte aligned.) */
 static size_t head_state_floats(int64_t D) { return 2 * D * TILE + 2 * TILE; }
+
+/* A task's scratch: the group's HeadStates, then a step's K and V rows widened to float32
+ * (used with a bfloat16 cache only). */
+static size_t task_floats(int64_t D, int64_t group)
+{
+    return head_state_floats(D) * group + 2 * KEYS * D;
+}
+
+/* n bfloat16 values at src as float32 at dst (n a multiple of 8): the bits shifted up. */
+static inline __attribute__((always_inline)) void widen_bf16(const uint16_t *src, float *dst,
+                                                             int64_t n)
+{
+    for (int64_t i = 0; i < n; i += LANES) {
+        const __m128i h = _mm_loadu_si128((const __m128i *)(src + i));
+        _mm256_store_ps(dst + i, _mm256_castsi256_ps(
+                                     _mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+    }
+}
+
+/* The address of row `at` (an element offset) of a cache as float32: in place for a float32
+ * cache; for a bfloat16 one, widened into `scratch` (D floats), which is returned. */
+static inline __attribute__((always_inline)) const float *
+cache_row(const void *cache, int kv_kind, int64_t at, int64_t D, float *scratch)
+{
+    if (kv_kind == KIND_F32)
+        return (const float *)cache + at;
+    widen_bf16((const uint16_t *)cache + at, scratch, D);
+    return scratch;
+}
 
 static inline __attribute__((always_inline)) HeadState head_state(float *buf, int64_t D, int64_t g)
 {
@@ -217,7 +253,7 @@ start_heads(const Chunks *c, const int64_t D, int64_t s, int64_t kvh, int64_t i0
 }
 
 /* One task: query rows i0 .. i0+TILE-1 (those < T) of chunk s for every query head of KV head
- * kvh, so each step's K/V rows serve the whole group. buf: the group's HeadStates. */
+ * kvh, so each step's K/V rows serve the whole group. buf: task_floats() scratch. */
 static inline __attribute__((always_inline)) void
 attend_tile(const Chunks *c, const int64_t D, int64_t s, int64_t kvh, int64_t i0, float *buf)
 {
@@ -226,6 +262,7 @@ attend_tile(const Chunks *c, const int64_t D, int64_t s, int64_t kvh, int64_t i0
     const int64_t kv_end = pos0 + rows; /* the last row sees keys [.., kv_end) */
     const int64_t group = c->heads / c->kv_heads, bs = c->block_size;
     const int64_t *table = c->block_table + s * c->table_width;
+    float *wide = buf + head_state_floats(D) * group; /* [KEYS] K rows, then [KEYS] V rows */
     start_heads(c, D, s, kvh, i0, rows, buf);
     for (int64_t j0 = first_visible_key(pos0, c->window); j0 < kv_end; j0 += KEYS) {
         const int64_t n = kv_end - j0 < KEYS ? kv_end - j0 : KEYS;
@@ -234,8 +271,8 @@ attend_tile(const Chunks *c, const int64_t D, int64_t s, int64_t kvh, int64_t i0
         for (int64_t jj = 0; jj < KEYS; jj++) {
             const int64_t j = j0 + (jj < n ? jj : 0);
             const int64_t at = ((table[j / bs] * bs + j % bs) * c->kv_heads + kvh) * D;
-            k[jj] = c->k_cache + at;
-            v[jj] = c->v_cache + at;
+            k[jj] = cache_row(c->k_cache, c->kv_kind, at, D, wide + jj * D);
+            v[jj] = cache_row(c->v_cache, c->kv_kind, at, D, wide + (KEYS + jj) * D);
             const uint32_t seen = visible_rows(j0 + jj, pos0, jj, n, c->window, TILE);
             for (int h = 0; h < ROWV; h++)
                 km[jj * ROWV + h] = lane_mask(seen, h);
@@ -271,19 +308,19 @@ int chunk_attention_avx2(void *out, const void *q, const void *k_cache, const vo
                          int64_t window, int64_t heads, int64_t kv_heads, int64_t head_dim,
                          int64_t block_size, float scale, int64_t num_threads)
 {
-    if (!chunk_attention_avx2_supported(head_dim) || kv_kind != KIND_F32)
+    if (!chunk_attention_avx2_supported(head_dim) ||
+        (kv_kind != KIND_F32 && kv_kind != KIND_BF16))
         return 2;
 #if HAVE_CHUNK_KERNEL
     const Chunks c = {q, k_cache, v_cache, out, block_table, seq_lens, q_starts, q_lens,
-                      table_width, heads, kv_heads, block_size, window, scale};
+                      table_width, heads, kv_heads, block_size, window, scale, (int)kv_kind};
     int64_t *first = plan_tile_tasks(q_lens, num_seqs, kv_heads, TILE);
     if (first == NULL)
         return 1;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
-        float *buf = aligned_alloc(32, sizeof(float) * head_state_floats(head_dim) *
-                                           (heads / kv_heads));
+        float *buf = aligned_alloc(32, sizeof(float) * task_floats(head_dim, heads / kv_heads));
         if (buf == NULL) {
 #pragma omp atomic write
             failed = 1;
