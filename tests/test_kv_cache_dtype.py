@@ -1,5 +1,6 @@
 """`--kv-cache-dtype fp8`: K/V stored one byte a value (E4M3 or E5M2, unscaled, as vLLM without
-calibrated scales), read by the CPU kernels and the torch reference."""
+calibrated scales), and `bfloat16` under a float32 model: two bytes a value; read by the CPU
+kernels and the torch reference."""
 from __future__ import annotations
 
 import pytest
