@@ -28,6 +28,7 @@ from chunkserve.engine.tp_group import TIMEOUT, TPGroup
 from chunkserve.engine.tp_worker import first_line
 from chunkserve.serve.engine_client import EngineInfo, EventHandler
 from chunkserve.serve.engine_loop import STOP, LoopEvent
+from chunkserve.serve.engine_proc import JOIN_TIMEOUT_S
 from chunkserve.serve.store_queue import (
     CONFIG_KEY, StoreLostError, StoreQueue, beat_key, commands_key, events_key,
 )
@@ -35,7 +36,6 @@ from chunkserve.serve.store_queue import (
 log = logging.getLogger("chunkserve.server")
 BEAT_S = 1.0  # how often a headless node adds to its beat counter
 NODE_SILENT_S = 10.0  # a node whose counter stands still this long is gone
-JOIN_TIMEOUT_S = 10.0  # an engine told to stop whose node has not said so within this
 
 
 @dataclass(frozen=True)
