@@ -23,8 +23,9 @@ from torch.distributed import TCPStore
 from chunkserve.config import EngineConfig, ParallelConfig
 from chunkserve.engine.tp_worker import warn_if_flags_differ
 from chunkserve.serve.dp_remote import BEAT_S, EngineExited
+from chunkserve.serve.engine_client import JOIN_TIMEOUT_S
 from chunkserve.serve.engine_loop import Stop
-from chunkserve.serve.engine_proc import JOIN_TIMEOUT_S, engine_specs, spawn_engine
+from chunkserve.serve.engine_proc import engine_specs, spawn_engine
 from chunkserve.serve.store_queue import (
     CONFIG_KEY, StoreLostError, StoreQueue, beat_key, commands_key, connect, events_key,
 )

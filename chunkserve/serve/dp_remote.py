@@ -26,9 +26,8 @@ import torch.distributed as dist
 from chunkserve.config import EngineConfig
 from chunkserve.engine.tp_group import TIMEOUT, TPGroup
 from chunkserve.engine.tp_worker import first_line
-from chunkserve.serve.engine_client import EngineInfo, EventHandler
+from chunkserve.serve.engine_client import JOIN_TIMEOUT_S, EngineInfo, EventHandler
 from chunkserve.serve.engine_loop import STOP, LoopEvent
-from chunkserve.serve.engine_proc import JOIN_TIMEOUT_S
 from chunkserve.serve.store_queue import (
     CONFIG_KEY, StoreLostError, StoreQueue, beat_key, commands_key, events_key,
 )

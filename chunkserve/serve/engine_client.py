@@ -21,6 +21,9 @@ if TYPE_CHECKING:
     from chunkserve.engine.llm_engine import LLMEngine
 
 EventHandler = Callable[[int, LoopEvent], None]  # (engine index, event), on any thread
+# An engine told to stop that has not within this is killed: one value for every kind of client
+# (serve/engine_proc.py, serve/dp_remote.py, serve/dp_headless.py).
+JOIN_TIMEOUT_S = 10.0
 
 
 @dataclass(frozen=True)

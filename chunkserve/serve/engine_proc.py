@@ -34,7 +34,12 @@ from chunkserve.config import EngineConfig
 from chunkserve.engine.cpu_binding import ENV, explicit_lists, rank_cores
 from chunkserve.engine.parent_watch import exit_with_parent
 from chunkserve.engine.profiler import engine_profiler
-from chunkserve.serve.engine_client import EngineClient, EngineInfo, EventHandler
+from chunkserve.serve.engine_client import (
+    JOIN_TIMEOUT_S,
+    EngineClient,
+    EngineInfo,
+    EventHandler,
+)
 from chunkserve.serve.engine_loop import STOP, CommandQueue, EngineLoop, LoopEvent
 
 if TYPE_CHECKING:
@@ -42,7 +47,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("chunkserve.server")
 POLL_S = 0.2  # how often a waiting reader checks that its engine process still lives
-JOIN_TIMEOUT_S = 10.0  # an engine told to stop that has not within this is killed
 
 
 @dataclass(frozen=True)
