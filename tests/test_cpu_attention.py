@@ -151,9 +151,13 @@ def test_bfloat16_cache_matches_a_float32_reference_on_the_same_values(spec, hea
 
 # The AVX512_BF16 path (paged_decode_bf16.h) where the CPU has it: head sizes 64 and 128, runs
 # of 16 tokens cut by blocks smaller, equal and larger than a run (attention_cases'
-# KERNEL_DECODES), every query-head group shape of DECODE_HEADS.
-@pytest.mark.parametrize("block_size", [8, 16, 32])
-@pytest.mark.parametrize("heads,kv_heads,head_dim", DECODE_HEADS)
+# KERNEL_DECODES), every query-head group shape of DECODE_HEADS. Elsewhere, and for the head
+# sizes it leaves, the AVX2 path (paged_decode_avx2.h) on any x86-64-v3 CPU: runs of 8 tokens
+# (blocks of 12 cut every other one short), 64-column slices of a head (Gemma 3's 256: four;
+# Phi-3's 96: one and a half); a head size that is not a multiple of 8 (20): the generic loop.
+@pytest.mark.parametrize("block_size", [8, 12, 16, 32])
+@pytest.mark.parametrize("heads,kv_heads,head_dim",
+                         DECODE_HEADS + [(4, 2, 256), (6, 3, 96), (4, 2, 20)])
 def test_bfloat16_decodes_every_block_size_and_group(block_size, heads, kv_heads, head_dim):
     _bf16_step(make_layout(KERNEL_DECODES, block_size, contiguous=False), heads, kv_heads,
                head_dim)

@@ -10,12 +10,14 @@
  *   - output: a run's V rows are widened to float32 once per KV head and added into the
  *     accumulators of up to ACC_VECTORS vectors of that head's query heads, held in registers
  *     for the whole run (GQA: one K/V row serves `group` query heads).
- * A run is up to RUN consecutive slots of one block, so its K/V rows are contiguous. fp8 caches
+ * A run is up to RUN consecutive slots of one block (paged_runs.h). fp8 caches
  * (--kv-cache-dtype) widen a run's rows to bfloat16 first, into a scratch buffer that stays in
  * L1, and then take the same two loops: half the bytes read from memory for a few instructions
  * per 32 values (storage.h's load32_bf16).
  */
 #include <immintrin.h>
+
+#include "paged_runs.h"
 
 #define RUN 16 /* tokens per run: a 512-bit vector holds 16 float32 scores */
 #define ACC_VECTORS 16 /* float32 accumulator vectors a run keeps in registers (of 32) */
@@ -118,51 +120,6 @@ accumulate_run(const Cache *c, const int64_t D, const uint16_t *v, int64_t n, co
             }
 }
 
-/* The run starting at token j: its first slot, and its length (to the end of the block, of
- * the part, or RUN tokens). */
-static inline int64_t next_run(const int64_t *table, int64_t bs, int64_t j, int64_t end,
-                               int64_t *slot)
-{
-    *slot = table[j / bs] * bs + j % bs;
-    const int64_t n = bs - j % bs < end - j ? bs - j % bs : end - j;
-    return n < RUN ? n : RUN;
-}
-
-/* Asks for tokens [from, to) of a cache (clipped to `end`; `row` bytes a token), into L1
- * (`l1`) or L2: blocks are scattered over the pool, so the hardware prefetcher, which follows
- * addresses, stops at every block's end. */
-static inline __attribute__((always_inline)) void
-prefetch_tokens(const char *cache, const int64_t *table, int64_t bs, int64_t from,
-                int64_t to, int64_t end, int64_t row, const int l1)
-{
-    to = to < end ? to : end;
-    for (int64_t j = from, n, slot; j < to; j += n) {
-        n = next_run(table, bs, j, to, &slot);
-        const char *p = cache + slot * row;
-        for (int64_t b = 0; b < n * row; b += 64)
-            if (l1)
-                _mm_prefetch(p + b, _MM_HINT_T0);
-            else
-                _mm_prefetch(p + b, _MM_HINT_T1);
-    }
-}
-
-/* Tokens ahead of the run being computed that are asked for: into L2 far ahead, into L1 near.
- * Measured on a Zen 5 (30 layers of 64 decodes x 512 tokens, blocks of 16, from DRAM): no
- * prefetch 11.6 GB/s, L1 only 15.1, both 18-20 (a pure read of 6 KB blocks in random order
- * reaches ~20 GB/s there). */
-#define NEAR 32
-#define FAR 128
-
-/* The run [j, j + n) is being computed: ask for the rows NEAR and FAR tokens later. */
-static inline __attribute__((always_inline)) void
-prefetch_ahead(const char *cache, const int64_t *table, int64_t bs, int64_t j, int64_t n,
-               int64_t end, int64_t row)
-{
-    prefetch_tokens(cache, table, bs, j + NEAR, j + NEAR + n, end, row, 1);
-    prefetch_tokens(cache, table, bs, j + FAR, j + FAR + n, end, row, 0);
-}
-
 /* The n tokens' rows from `slot` on of a cache stored as `kind`, as bfloat16: in place for a
  * bfloat16 cache, else widened into `run`. */
 static inline __attribute__((always_inline)) const uint16_t *
@@ -186,7 +143,7 @@ attend_part_bf16(const Cache *c, const int64_t D, const int kind, const uint16_t
     const char *kc = c->k_cache, *vc = c->v_cache;
     prefetch_tokens(kc, table, bs, begin, begin + NEAR, end, row_bytes, 1);
     for (int64_t j = begin, n, slot; j < end; j += n) {
-        n = next_run(table, bs, j, end, &slot);
+        n = next_run(table, bs, j, end, RUN, &slot);
         prefetch_ahead(kc, table, bs, j, n, end, row_bytes);
         score_run(c, D, q, run_rows(kc, kind, slot, n, row, run), n, scores + (j - begin));
     }
@@ -194,7 +151,7 @@ attend_part_bf16(const Cache *c, const int64_t D, const int kind, const uint16_t
     softmax_parts(c->heads, end - begin, scores, m, l);
     memset(acc, 0, sizeof(float) * c->heads * D);
     for (int64_t j = begin, n, slot; j < end; j += n) {
-        n = next_run(table, bs, j, end, &slot);
+        n = next_run(table, bs, j, end, RUN, &slot);
         prefetch_ahead(vc, table, bs, j, n, end, row_bytes);
         accumulate_run(c, D, run_rows(vc, kind, slot, n, row, run), n, scores + (j - begin),
                        acc);
