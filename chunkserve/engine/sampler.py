@@ -17,12 +17,12 @@ Order of operations (vLLM v1's `Sampler`):
      subtracted, counting the output tokens only. Steps 2-4 change greedy rows too.
   5. greedy rows (temperature ~ 0) take the argmax and ignore top-k/top-p/min-p.
   6. other rows: divide by temperature, then min-p, then top-k and top-p, then
-     draw with `torch.multinomial`. min-p runs before top-k/top-p as in vLLM
+     draw (inverse_cdf: one uniform number a row). min-p runs before top-k/top-p as in vLLM
      (min-p is an "argmax-invariant logits processor" applied before the
      top-k/top-p sampler); the order matters for top-p because top-p sees the
      distribution renormalised after min-p's cut.
 
-Seeded rows draw from their own generator one row at a time, so a seeded request
+Seeded rows take their uniform number from their own generator, so a seeded request
 gets the same tokens whatever else shares its batch. Every step is row-wise, and a batch in
 which no row sets logit_bias, a penalty or an unmet min_tokens samples the caller's logits as
 they are (no copy).
@@ -275,19 +275,48 @@ def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
 
 
 def _draw(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """One multinomial draw per row; seeded rows each use their own generator."""
-    out = torch.empty(len(rows), dtype=torch.long)
+    """One draw per row from its probabilities; seeded rows take their uniform number from their
+    own generator, so a seeded request draws the same whatever shares its batch."""
+    dev = probs.device
+    u = torch.empty(len(rows), dtype=torch.float64, device=dev)
     unseeded = [i for i, r in enumerate(rows) if r.generator is None]
     if unseeded:
-        out[unseeded] = torch.multinomial(probs[unseeded], 1).squeeze(1).cpu()
+        u[unseeded] = torch.rand(len(unseeded), dtype=torch.float64, device=dev)
     for i, row in enumerate(rows):
-        gen = row.generator
-        if gen is None:
-            continue
-        # A CPU generator cannot drive a CUDA multinomial: draw where it lives.
-        row_probs = probs[i].to(gen.device)
-        out[i] = int(torch.multinomial(row_probs, 1, generator=gen).item())
-    return out
+        if row.generator is not None:  # drawn where the generator lives, then moved
+            u[i] = torch.rand(1, dtype=torch.float64, generator=row.generator,
+                              device=row.generator.device).item()
+    return inverse_cdf(probs, u).cpu()
+
+
+DRAW_BLOCK = 1024  # tokens whose probabilities inverse_cdf sums as one
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Row i's token: the first whose cumulative probability exceeds u[i] * the row's total
+    (u in [0, 1), float64), so a token is drawn with its probability and one of probability 0
+    never is. Why not torch.multinomial: for one sample it draws an exponential variate for
+    every token of the vocabulary (measured 16 ms for 12 rows of 49,152 on a 2-core CPU, 10% of
+    a served run's engine time); this draws one number a row and sums (0.3 ms). In two levels,
+    so that only block sums and one block are accumulated in float64 (a float32 running sum over
+    a whole vocabulary leaves the rarest tokens no room): the block holding u, then the token
+    within it."""
+    n, vocab = probs.shape
+    blocks = -(-vocab // DRAW_BLOCK)
+    padded = torch.nn.functional.pad(probs, (0, blocks * DRAW_BLOCK - vocab))
+    grouped = padded.view(n, blocks, DRAW_BLOCK)
+    block_mass = grouped.sum(-1, dtype=torch.float64)
+    block_cdf = block_mass.cumsum(-1)
+    target = u * block_cdf[:, -1]  # < the total: a block of mass 0 is never found below
+    block = torch.searchsorted(block_cdf, target.unsqueeze(1), right=True).squeeze(1)
+    rows = torch.arange(n, device=probs.device)
+    within = target - (block_cdf[rows, block] - block_mass[rows, block])
+    cdf = grouped[rows, block].cumsum(-1, dtype=torch.float64)
+    # The block's two sums may differ in their last bit: stay below its own total, so that the
+    # token found has a probability above 0.
+    within = torch.minimum(within, torch.nextafter(cdf[:, -1], torch.zeros_like(within)))
+    token = torch.searchsorted(cdf, within.unsqueeze(1), right=True).squeeze(1)
+    return block * DRAW_BLOCK + token
 
 
 def _gather_logprobs(
