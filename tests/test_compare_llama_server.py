@@ -40,7 +40,10 @@ def test_failed_count_and_server_commands():
     extra = cmp.server_command("llama-server", 8124, "/m.gguf", "/bin/llama-server",
                                ["--no-repack"])
     assert extra == llama + ["--no-repack"]
-    assert cmp.server_command("chunkserve", 8123, "/m.gguf", None, ["--no-repack"]) == chunk
+    # Each engine gets its own extra flags (--peer-args, --chunkserve-args), after its defaults.
+    assert cmp.server_command("chunkserve", 8123, "/m.gguf", None,
+                              ["--kv-cache-dtype", "bfloat16"]) == chunk + [
+        "--kv-cache-dtype", "bfloat16"]
     gemma = cmp.server_command("chunkserve", 8123, "/g.gguf", None, model="gemma3-270m")
     assert gemma[gemma.index("--model") + 1] == "gemma3-270m"
 

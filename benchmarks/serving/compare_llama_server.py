@@ -60,14 +60,16 @@ def free_port() -> int:
 
 
 def server_command(engine: str, port: int, gguf: str, binary: str | None,
-                   peer_args: Sequence[str] = (), model: str = "smollm2-135m") -> list[str]:
-    if engine == "chunkserve":  # exactly what `make serve` runs (for `model`), on another port
+                   extra_args: Sequence[str] = (), model: str = "smollm2-135m") -> list[str]:
+    """The server's command line; `extra_args`: that engine's extra flags (none by default:
+    chunkserve exactly as `make serve` runs it, for `model`, on another port)."""
+    if engine == "chunkserve":
         return [sys.executable, "-m", "chunkserve.cli", "serve", "--model", model,
-                "--host", "127.0.0.1", "--port", str(port)]
+                "--host", "127.0.0.1", "--port", str(port), *extra_args]
     assert binary is not None
     # 16 slots of 4608 tokens: room for the longest mixed request (4096 + 128) in every slot.
     return [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "--parallel", "16",
-            "-t", "2", "-c", "73728", *peer_args]
+            "-t", "2", "-c", "73728", *extra_args]
 
 
 def wait_healthy(port: int, proc: subprocess.Popen, timeout: float = 300.0) -> None:
@@ -102,12 +104,12 @@ def bench(engine: str, port: int, out_dir: str, name: str, traffic: Sequence[str
 
 
 def measure(engine: str, gguf: str, binary: str | None, out_dir: str, name: str,
-            traffic: Sequence[str], num_prompts: int, peer_args: Sequence[str] = (),
+            traffic: Sequence[str], num_prompts: int, extra_args: Sequence[str] = (),
             model: str = "smollm2-135m") -> dict[str, Any]:
-    """Starts the engine fresh, runs one bench, stops it."""
+    """Starts the engine fresh (with `extra_args`), runs one bench, stops it."""
     port = free_port()
     log = open(os.path.join(out_dir, f"{engine}-{name}.log"), "w")
-    proc = subprocess.Popen(server_command(engine, port, gguf, binary, peer_args, model),
+    proc = subprocess.Popen(server_command(engine, port, gguf, binary, extra_args, model),
                             stdout=log, stderr=subprocess.STDOUT)
     try:
         wait_healthy(port, proc)
@@ -161,8 +163,13 @@ def main() -> int:
                    help="extra llama-server flags as one string, e.g. --peer-args=--no-repack "
                         "(on a KVM host with AMX, llama.cpp's AMX matmul crashed at start-up on "
                         "2026-12-01; --no-repack keeps weights out of its AMX buffers)")
+    p.add_argument("--chunkserve-args", default="",
+                   help="extra `chunkserve serve` flags as one string, e.g. "
+                        "--chunkserve-args='--kv-cache-dtype bfloat16' (default: none, the "
+                        "server as `make serve` runs it)")
     args = p.parse_args()
     peer_args = shlex.split(args.peer_args)
+    extra = {PEER: peer_args, "chunkserve": shlex.split(args.chunkserve_args)}
     from chunkserve.model.loaders.source import resolve_model_path
 
     os.makedirs(args.out, exist_ok=True)
@@ -175,24 +182,27 @@ def main() -> int:
     closed = ["--max-concurrency", "16", "--request-rate", "inf"]
     for engine in (PEER, "chunkserve"):
         results[engine]["capacity"] = measure(engine, gguf, binary, args.out, "capacity", closed,
-                                              args.capacity_prompts, peer_args, args.model)
+                                              args.capacity_prompts, extra[engine], args.model)
     rate = args.load * results[PEER]["capacity"]["request_throughput"]
     for engine in ENGINES:
         results[engine]["open-loop"] = measure(engine, gguf, binary, args.out, "open-loop",
                                                ["--request-rate", f"{rate:.4f}"],
-                                               args.open_loop_prompts, peer_args, args.model)
+                                               args.open_loop_prompts, extra[engine],
+                                               args.model)
     for engine in ENGINES:
         for result in results[engine].values():
             result["failed"] = failed_count(result)
     report = {"cpu": cpu_info(), "gguf": os.path.basename(gguf), "load": args.load,
-              "peer_args": peer_args,
+              "peer_args": peer_args, "chunkserve_args": extra["chunkserve"],
               "elapsed_s": round(time.time() - started), "results": results}
     cpu = report["cpu"]
     text = (f"# chunkserve vs llama-server on {cpu['model']} ({cpu['cores']} cores; "
             f"{' '.join(cpu['flags'])})\n\nModel {report['gguf']}; command "
             f"`python benchmarks/serving/compare_llama_server.py --out {args.out}"
             + (f" --model {args.model}" if args.model != "smollm2-135m" else "")
-            + (f" --peer-args='{args.peer_args}'" if peer_args else "") + "` "
+            + (f" --peer-args='{args.peer_args}'" if peer_args else "")
+            + (f" --chunkserve-args='{args.chunkserve_args}'" if args.chunkserve_args else "")
+            + "` "
             f"({report['elapsed_s']} s).\n\n" + side_by_side(results))
     save_report(args.out, "comparison", report, text)
     return 0
