@@ -35,8 +35,10 @@ ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
 # auto (with --dtype auto, on the CPU): int4 for weights that already are 4-bit (a Q4 GGUF) on
 # CPUs with AVX512_BF16, else int8; none: the dtype's dense weights.
 QUANTIZATIONS = ("auto", "int4", "int8", "none")
-# vLLM's --kv-cache-dtype: auto = the model's dtype; fp8 = fp8_e4m3 (one byte a value, half of
-# bfloat16's K/V bytes: twice the tokens in the same memory, half the reads of decode attention).
+# vLLM's --kv-cache-dtype: auto = the model's dtype (bfloat16 where --dtype auto runs float32
+# activations on a CPU without AVX512_BF16: model/factory.py's AUTO_CPU_KV_DTYPE); bfloat16;
+# fp8 = fp8_e4m3 (one byte a value, half of bfloat16's K/V bytes: twice the tokens in the same
+# memory, half the reads of decode attention).
 FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2")
 KV_CACHE_DTYPES = ("auto", "bfloat16", *FP8_KV_CACHE_DTYPES)
 

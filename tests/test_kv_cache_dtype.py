@@ -16,6 +16,7 @@ from chunkserve.model.attention.backend import KV_DTYPE_BY_NAME
 from chunkserve.model.attention.cpu_backend import CpuPagedAttention
 from chunkserve.model.attention.torch_backend import TorchPagedAttention
 from chunkserve.model.batch import DeviceStager
+from chunkserve.model import factory
 from chunkserve.model.factory import load_model
 from test_token_identity import _prompts
 
@@ -182,6 +183,22 @@ def test_narrow_cache_tokens_do_not_depend_on_chunks_or_preemption(tiny_model_di
         if blocks:
             assert llm.engine.scheduler.num_preemptions > 0
     assert all(r == results[0] for r in results)
+
+
+def test_auto_dtype_keeps_a_16_bit_cache_where_activations_are_float32(tiny_model_dir,
+                                                                      monkeypatch):
+    """`--dtype auto` on a CPU without AVX512_BF16 runs float32 activations over a bfloat16
+    cache (factory.AUTO_CPU_KV_DTYPE), as a bf16 CPU runs both in bf16; an explicit float32
+    keeps a float32 cache, and so does `--kv-cache-dtype` naming one of the others."""
+    monkeypatch.setattr(factory, "cpu_has_avx512_bf16", lambda: False)
+    auto = load_model(tiny_model_dir, "auto", max_model_len=256, quantization="none").model
+    assert auto.dtype == torch.float32
+    assert kv_cache_dtype(auto, "auto") == factory.AUTO_CPU_KV_DTYPE == torch.bfloat16
+    assert kv_bytes_per_block(auto, 16, kv_cache_dtype(auto, "auto")) * 2 == \
+        kv_bytes_per_block(auto, 16, torch.float32)
+    assert kv_cache_dtype(auto, "fp8") == torch.float8_e4m3fn
+    explicit = load_model(tiny_model_dir, "float32", max_model_len=256).model
+    assert kv_cache_dtype(explicit, "auto") == torch.float32
 
 
 # ---- the default model: what fp8 costs in accuracy ---------------------------------------------

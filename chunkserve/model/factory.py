@@ -41,6 +41,15 @@ class LoadedModel:
 INT8_BY_DEFAULT = True
 
 
+# The KV cache under `--dtype auto` where that means float32 activations (a CPU without
+# AVX512_BF16, which emulates bf16 GEMMs slower than fp32 ones): still 16 bits a value, as it is
+# on every other machine (and as llama.cpp's default f16 cache is). Storage only, the arithmetic
+# stays float32; half the bytes each decode reads, twice the tokens in the same memory. On a
+# Zen 3 (2 cores, AVX2) the capacity beside llama-server went from 2.82x to 2.97x
+# (docs/performance.md, issue 33).
+AUTO_CPU_KV_DTYPE = torch.bfloat16
+
+
 @lru_cache(maxsize=1)
 def cpu_has_avx512_bf16() -> bool:
     """Whether the CPU has native bf16 dot products (False under CHUNKSERVE_CPU_ISA=avx2: the
@@ -142,6 +151,8 @@ def load_model(
                  device=dev, quantization=quant, ops=make_layer_ops(dev))
     if shard is not None:
         parallelize(model, tp_group, shard)  # type: ignore[arg-type]
+    if dtype == "auto" and torch_dtype == torch.float32 and model.attn.supports_narrow_kv_cache:
+        model.kv_dtype = AUTO_CPU_KV_DTYPE
     if quant is not None:
         logger.info("weights %s (quantization %s, %s activations): %s", name, quantization,
                     str(torch_dtype).removeprefix("torch."), weight_formats(model))
