@@ -139,6 +139,7 @@ def main() -> int:
           f"{roof.read_gbs:.1f} GB/s read; {args.rounds} rounds, medians.  \n"
           f"Command: `{shlex.join(['python', *sys.argv])}` ({elapsed:.0f} s)\n\n{table(rows)}")
     if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump({"host": cpu_info(), "roofline": asdict(roof),
                        "rows": [asdict(r) for r in rows], "rounds": args.rounds,
