@@ -155,6 +155,12 @@ def test_fp8_kv_cache_doubles_capacity_and_halves_decode_reads(tmp_path):
     decodes = StepShape(decode_contexts=[2048] * 64, num_sampled=64)
     assert fp8.breakdown(decodes)["attention"] == pytest.approx(
         bf16.breakdown(decodes)["attention"] / 2)
+    # bfloat16: 2 bytes a value, said explicitly; a preset's bf16 model has that under auto
+    # already, so the same pool.
+    same, same_blocks, _ = build("bfloat16")
+    assert same.model.kv_dtype_bytes == 2 and bf16.model.kv_dtype_bytes is None
+    assert same.model.kv_bytes_per_token == bf16.model.kv_bytes_per_token
+    assert same_blocks == bf16_blocks
     profile = tmp_path / "profile.json"
     profile.write_text("{}")
     with pytest.raises(ValueError, match="applies to hardware presets"):
