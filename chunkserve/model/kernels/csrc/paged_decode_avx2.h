@@ -130,21 +130,12 @@ attend_part_avx2(const Cache *c, const int64_t D, const int kind, const float *q
                  const int64_t *table, int64_t begin, int64_t end, float *scores, float *m,
                  float *l, float *acc, float *run)
 {
-    const int64_t bs = c->block_size, row = c->kv_heads * D, row_bytes = row * kind_bytes(kind);
-    const char *kc = c->k_cache, *vc = c->v_cache;
-    prefetch_tokens(kc, table, bs, begin, begin + NEAR, end, row_bytes, 1);
-    for (int64_t j = begin, n, slot; j < end; j += n) {
-        n = next_run(table, bs, j, end, RUN8, &slot);
-        prefetch_ahead(kc, table, bs, j, n, end, row_bytes);
-        score_run8(c, D, q, run_rows_f32(kc, kind, slot, n, row, run), n, scores + (j - begin));
-    }
-    prefetch_tokens(vc, table, bs, begin, begin + NEAR, end, row_bytes, 1);
-    softmax_parts(c->heads, end - begin, scores, m, l);
-    memset(acc, 0, sizeof(float) * c->heads * D);
-    for (int64_t j = begin, n, slot; j < end; j += n) {
-        n = next_run(table, bs, j, end, RUN8, &slot);
-        prefetch_ahead(vc, table, bs, j, n, end, row_bytes);
-        accumulate_run8(c, D, run_rows_f32(vc, kind, slot, n, row, run), n,
-                        scores + (j - begin), acc);
-    }
+    const int64_t row = c->kv_heads * D;
+#define ROWS(cache, slot, n) run_rows_f32(cache, kind, slot, n, row, run)
+#define SCORE(k, n, s) score_run8(c, D, q, k, n, s)
+#define ACCUMULATE(v, n, p) accumulate_run8(c, D, v, n, p, acc)
+    ATTEND_PART_IN_RUNS(RUN8, ROWS, SCORE, ACCUMULATE);
+#undef ROWS
+#undef SCORE
+#undef ACCUMULATE
 }

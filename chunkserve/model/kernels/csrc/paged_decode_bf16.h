@@ -139,21 +139,12 @@ attend_part_bf16(const Cache *c, const int64_t D, const int kind, const uint16_t
                  const int64_t *table, int64_t begin, int64_t end, float *scores, float *m,
                  float *l, float *acc, uint16_t *run)
 {
-    const int64_t bs = c->block_size, row = c->kv_heads * D, row_bytes = row * kind_bytes(kind);
-    const char *kc = c->k_cache, *vc = c->v_cache;
-    prefetch_tokens(kc, table, bs, begin, begin + NEAR, end, row_bytes, 1);
-    for (int64_t j = begin, n, slot; j < end; j += n) {
-        n = next_run(table, bs, j, end, RUN, &slot);
-        prefetch_ahead(kc, table, bs, j, n, end, row_bytes);
-        score_run(c, D, q, run_rows(kc, kind, slot, n, row, run), n, scores + (j - begin));
-    }
-    prefetch_tokens(vc, table, bs, begin, begin + NEAR, end, row_bytes, 1);
-    softmax_parts(c->heads, end - begin, scores, m, l);
-    memset(acc, 0, sizeof(float) * c->heads * D);
-    for (int64_t j = begin, n, slot; j < end; j += n) {
-        n = next_run(table, bs, j, end, RUN, &slot);
-        prefetch_ahead(vc, table, bs, j, n, end, row_bytes);
-        accumulate_run(c, D, run_rows(vc, kind, slot, n, row, run), n, scores + (j - begin),
-                       acc);
-    }
+    const int64_t row = c->kv_heads * D;
+#define ROWS(cache, slot, n) run_rows(cache, kind, slot, n, row, run)
+#define SCORE(k, n, s) score_run(c, D, q, k, n, s)
+#define ACCUMULATE(v, n, p) accumulate_run(c, D, v, n, p, acc)
+    ATTEND_PART_IN_RUNS(RUN, ROWS, SCORE, ACCUMULATE);
+#undef ROWS
+#undef SCORE
+#undef ACCUMULATE
 }
