@@ -130,12 +130,5 @@ attend_part_avx2(const Cache *c, const int64_t D, const int kind, const float *q
                  const int64_t *table, int64_t begin, int64_t end, float *scores, float *m,
                  float *l, float *acc, float *run)
 {
-    const int64_t row = c->kv_heads * D;
-#define ROWS(cache, slot, n) run_rows_f32(cache, kind, slot, n, row, run)
-#define SCORE(k, n, s) score_run8(c, D, q, k, n, s)
-#define ACCUMULATE(v, n, p) accumulate_run8(c, D, v, n, p, acc)
-    ATTEND_PART_IN_RUNS(RUN8, ROWS, SCORE, ACCUMULATE);
-#undef ROWS
-#undef SCORE
-#undef ACCUMULATE
+    ATTEND_PART_IN_RUNS(RUN8, run_rows_f32, score_run8, accumulate_run8);
 }

@@ -139,12 +139,5 @@ attend_part_bf16(const Cache *c, const int64_t D, const int kind, const uint16_t
                  const int64_t *table, int64_t begin, int64_t end, float *scores, float *m,
                  float *l, float *acc, uint16_t *run)
 {
-    const int64_t row = c->kv_heads * D;
-#define ROWS(cache, slot, n) run_rows(cache, kind, slot, n, row, run)
-#define SCORE(k, n, s) score_run(c, D, q, k, n, s)
-#define ACCUMULATE(v, n, p) accumulate_run(c, D, v, n, p, acc)
-    ATTEND_PART_IN_RUNS(RUN, ROWS, SCORE, ACCUMULATE);
-#undef ROWS
-#undef SCORE
-#undef ACCUMULATE
+    ATTEND_PART_IN_RUNS(RUN, run_rows, score_run, accumulate_run);
 }

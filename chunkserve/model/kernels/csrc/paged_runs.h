@@ -53,22 +53,26 @@ prefetch_ahead(const char *cache, const int64_t *table, int64_t bs, int64_t j, i
 }
 
 /* The two passes over a part [begin, end) of one decode, in runs of up to MAX_RUN tokens, as
- * both hand-vectorized paths take them: each run's K rows scored (SCORE(rows, n, scores) writes
- * the run's n scores of every head), the partial softmax, then each run's V rows added into
- * the output (ACCUMULATE(rows, n, probabilities)); ROWS(cache, slot, n) gives a run's rows as
- * the path reads them (in place, or widened into its scratch). Rows ahead are prefetched in
- * both passes. A macro rather than a function over function pointers so that each path's
- * compile-time head size and storage kind still reach its loops, as when it was written out.
- * Uses `c`, `D`, `kind`, `table`, `begin`, `end`, `scores`, `m`, `l`, `acc` of the caller. */
+ * both hand-vectorized paths take them: each run's K rows scored, the partial softmax, then
+ * each run's V rows added into the output; rows ahead prefetched in both passes. The path's
+ * own functions, called as
+ *   ROWS(cache, kind, slot, n, row, run)      a run's rows as it reads them (in place, or
+ *                                              widened into its scratch `run`),
+ *   SCORE(c, D, q, rows, n, scores)           the run's n scores of every head,
+ *   ACCUMULATE(c, D, rows, n, probs, acc)     the run's V rows into the output,
+ * with the caller's `c`, `D`, `kind`, `q`, `table`, `begin`, `end`, `scores`, `m`, `l`, `acc`
+ * and `run`. A macro rather than a function over function pointers so that each path's
+ * compile-time head size and storage kind still reach its loops. */
 #define ATTEND_PART_IN_RUNS(MAX_RUN, ROWS, SCORE, ACCUMULATE)                                     \
     do {                                                                                          \
-        const int64_t bs_ = c->block_size, row_bytes_ = c->kv_heads * D * kind_bytes(kind);       \
+        const int64_t bs_ = c->block_size, row_ = c->kv_heads * D;                                \
+        const int64_t row_bytes_ = row_ * kind_bytes(kind);                                       \
         const char *kc_ = c->k_cache, *vc_ = c->v_cache;                                          \
         prefetch_tokens(kc_, table, bs_, begin, begin + NEAR, end, row_bytes_, 1);                \
         for (int64_t j = begin, n, slot; j < end; j += n) {                                       \
             n = next_run(table, bs_, j, end, MAX_RUN, &slot);                                     \
             prefetch_ahead(kc_, table, bs_, j, n, end, row_bytes_);                               \
-            SCORE(ROWS(kc_, slot, n), n, scores + (j - begin));                                   \
+            SCORE(c, D, q, ROWS(kc_, kind, slot, n, row_, run), n, scores + (j - begin));         \
         }                                                                                         \
         prefetch_tokens(vc_, table, bs_, begin, begin + NEAR, end, row_bytes_, 1);                \
         softmax_parts(c->heads, end - begin, scores, m, l);                                       \
@@ -76,7 +80,7 @@ prefetch_ahead(const char *cache, const int64_t *table, int64_t bs, int64_t j, i
         for (int64_t j = begin, n, slot; j < end; j += n) {                                       \
             n = next_run(table, bs_, j, end, MAX_RUN, &slot);                                     \
             prefetch_ahead(vc_, table, bs_, j, n, end, row_bytes_);                               \
-            ACCUMULATE(ROWS(vc_, slot, n), n, scores + (j - begin));                              \
+            ACCUMULATE(c, D, ROWS(vc_, kind, slot, n, row_, run), n, scores + (j - begin), acc);  \
         }                                                                                         \
     } while (0)
 #endif
