@@ -153,6 +153,9 @@ def load_model(
         parallelize(model, tp_group, shard)  # type: ignore[arg-type]
     if dtype == "auto" and torch_dtype == torch.float32 and model.attn.supports_narrow_kv_cache:
         model.kv_dtype = AUTO_CPU_KV_DTYPE
+        logger.info("--dtype auto: float32 activations (this CPU has no AVX512_BF16) over a "
+                    "%s KV cache; --dtype float32 keeps a float32 one",
+                    str(AUTO_CPU_KV_DTYPE).removeprefix("torch."))
     if quant is not None:
         logger.info("weights %s (quantization %s, %s activations): %s", name, quantization,
                     str(torch_dtype).removeprefix("torch."), weight_formats(model))
