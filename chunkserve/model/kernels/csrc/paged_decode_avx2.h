@@ -1,6 +1,6 @@
 /* The AVX2 + FMA path of paged_decode.c (included from there): float32 arithmetic over
- * bfloat16 or fp8 caches, for any head size that is a multiple of 8. (It reads float32 caches
- * too, but paged_decode.c keeps those on the generic loop, which reads them at DRAM's rate.)
+ * bfloat16 or fp8 caches, for any head size that is a multiple of 8. (Float32 caches stay on
+ * the generic loop, which reads them at DRAM's rate: this path measured slower there.)
  *
  * The generic loop is compute-bound on a narrow cache (measured on a Zen 3: a bfloat16 cache,
  * half a float32 one's bytes, no faster than it): each score is one chain of dependent
@@ -11,9 +11,9 @@
  *     accumulators summed together by one transpose-and-add tree (`sum8`);
  *   - output: each query head's accumulators for a slice of up to 64 columns (8 of the 16
  *     vector registers) stay in registers over the whole run; V rows are FMA memory operands.
- * A run's rows are read in place from a float32 cache, or widened to float32 once into a
- * scratch buffer that stays in L1 (bfloat16 with a shift, fp8 through storage.h's table): every
- * query head of a GQA group then reads them from there.
+ * A run's rows are widened to float32 once into a scratch buffer that stays in L1 (bfloat16
+ * with a shift, fp8 through storage.h's table): every query head of a GQA group then reads
+ * them from there.
  */
 #include <immintrin.h>
 
@@ -102,14 +102,12 @@ accumulate_run8(const Cache *c, const int64_t D, const float *v, int64_t n, cons
     }
 }
 
-/* The n tokens' rows (`row` values each) from `slot` on of a cache stored as `kind`, as
- * float32: in place for a float32 cache, else widened into `run`. */
+/* The n tokens' rows (`row` values each) from `slot` on of a bfloat16 or fp8 cache (`kind`),
+ * widened to float32 into `run`. */
 static inline const float *run_rows_f32(const void *cache, const int kind, int64_t slot,
                                         int64_t n, int64_t row, float *run)
 {
     const int64_t first = slot * row, count = n * row; /* row = kv_heads * D: a multiple of 8 */
-    if (kind == KIND_F32)
-        return (const float *)cache + first;
     if (kind == KIND_BF16) {
         const uint16_t *b = (const uint16_t *)cache + first;
         for (int64_t i = 0; i < count; i += 8) { /* a bfloat16 is a float32's top 16 bits */
