@@ -55,7 +55,7 @@ class ModelConfig:
     device: str = "auto"  # auto: cuda when torch sees a GPU, else cpu
     load_format: str = "auto"  # auto: the weights at `model`; dummy: random ones of its shape
     attention_backend: str = "auto"
-    enforce_eager: bool = False  # True: no CUDA graphs (vLLM's flag; nothing to do on a CPU)
+    enforce_eager: bool = False  # True: no CUDA graphs, no fused CPU decode step (vLLM's flag)
     quantization: str = "auto"
 
     def verify(self) -> None:

@@ -52,6 +52,8 @@ MODEL_ALLOWED = {
     # Tensor parallelism: what each rank holds (parallel), and the collectives around it.
     "parallel": {"models"},
     "tp_layers": {"models", "parallel"},
+    # A decode step's layers in one C call: the model's weights, kernels and attention data.
+    "fused_decode": {"models", "layers", "attention", "kernels"},
     "factory": {"models", "loaders", "attention", "layers", "kernels", "batch", "parallel",
                 "tp_layers"},
 }

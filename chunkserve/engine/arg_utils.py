@@ -46,7 +46,8 @@ def add_engine_args(p: argparse.ArgumentParser, model_flag: bool = True) -> None
                         "--dtype auto): int4 for weights that already are 4-bit, on CPUs with "
                         "AVX512_BF16, else int8")
     p.add_argument("--enforce-eager", action="store_true",
-                   help="no CUDA graphs for decode steps (nothing to do on a CPU)")
+                   help="decode steps op by op: no CUDA graphs on a GPU, no fused decode "
+                        "step (every layer in one C call) on a CPU")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="ranks that each hold a shard of every layer (processes on this "
                         "machine, gloo on the CPU; the cores are split among them). The "

@@ -15,6 +15,7 @@ from chunkserve.engine.input_batch import build_layout, sample_rows
 from chunkserve.engine.sampler import Sampler, SamplingRow, logprob_entries
 from chunkserve.model.attention.backend import KV_DTYPE_BY_NAME
 from chunkserve.model.batch import BatchLayout, BatchTensors, DeviceStager, PerLayer
+from chunkserve.model.fused_decode import FusedDecodeStack
 from chunkserve.model.models.interface import CausalLM
 
 
@@ -100,6 +101,11 @@ class ModelRunner:
         self._generators: dict[str, torch.Generator] = {}
         self.stager = DeviceStager(self.device)
         self.graphs = self._capture_graphs(enforce_eager, max_num_seqs, max_model_len)
+        # The CPU's counterpart: a decode step's layers as one C call, where the model allows
+        # (all layers on one block table and window: one attention metadata a step).
+        self.fused_decode = (None if enforce_eager or self.device.type != "cpu"
+                             or len(self._attention_kinds) != 1
+                             else FusedDecodeStack.build(model, self.kv_caches))
 
     @classmethod
     def from_config(cls, model: CausalLM, config: EngineConfig) -> ModelRunner:
@@ -138,7 +144,7 @@ class ModelRunner:
         self, enforce_eager: bool, max_num_seqs: int, max_model_len: int | None
     ) -> CUDAGraphRunner | None:
         """CUDA graphs for decode steps, where they can run: on CUDA, with a graph-safe
-        attention backend, unless --enforce-eager. On the CPU there is nothing to do."""
+        attention backend, unless --enforce-eager (the CPU's counterpart: fused_decode)."""
         if enforce_eager or self.device.type != "cuda" or not self.model.attn.supports_cuda_graphs:
             return None
         if self._attention_kinds != [(0, None)]:
@@ -238,6 +244,10 @@ class ModelRunner:
             by_kind = {(g, w): self.model.attn.build_metadata(
                 self._group_batch(scheduled, batch, g), w) for g, w in self._attention_kinds}
             meta = PerLayer(by_kind[kind] for kind in self.layer_attention)
+        if self.fused_decode is not None:
+            hidden = self.fused_decode.run(batch.input_ids, batch.positions, meta)
+            if hidden is not None:
+                return hidden
         return self.model.forward(batch.input_ids, batch.positions, self.kv_caches, meta)
 
     def _group_batch(self, scheduled: list[ScheduledRequest], batch: BatchTensors,

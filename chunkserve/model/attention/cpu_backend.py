@@ -114,13 +114,19 @@ class CpuPagedAttention(TorchPagedAttention):
         """write_kv once the dtypes are checked."""
         # One memcpy per row: index_copy_ cost ~50 us per call at 64 rows (2 per layer).
         assert meta.slots is not None and k.shape[1:] == k_cache.shape[2:] == v.shape[1:]
-        if meta.max_slot >= k_cache.shape[0] * k_cache.shape[1]:
-            raise IndexError(f"slot {meta.max_slot} is outside the KV cache "
-                             f"({k_cache.shape[0]} blocks of {k_cache.shape[1]})")
+        self.check_slots(meta, k_cache.shape[0] * k_cache.shape[1])
         # An fp8 cache takes PyTorch's rounding (to nearest, saturating at the format's largest).
         k, v = k.to(k_cache.dtype).contiguous(), v.to(v_cache.dtype).contiguous()
         self._write_kv(k_cache.data_ptr(), v_cache.data_ptr(), k.data_ptr(), v.data_ptr(),
                        meta.slots_ptr, len(meta.slots), k[0:1].nbytes)
+
+    @staticmethod
+    def check_slots(meta: CpuMetadata, cache_rows: int) -> None:
+        """The step's slots are inside a cache of `cache_rows` token rows: the C copies into
+        it are not bounds-checked."""
+        if meta.max_slot >= cache_rows:
+            raise IndexError(f"slot {meta.max_slot} is outside the KV cache ({cache_rows} "
+                             f"token rows)")
 
     def forward(self, q, k, v, k_cache, v_cache, meta: CpuMetadata):  # type: ignore[no-untyped-def,override]
         self._check_dtypes(q, k, v, k_cache, v_cache)  # once for every C call below

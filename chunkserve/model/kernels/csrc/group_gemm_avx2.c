@@ -42,6 +42,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "team.h"
+
 #define GROUP 32
 #define LANES 8
 /* Rows a pass: 4 sums + 4 outputs + the levels stay in 16 registers. -DROWS=6 or 8 builds
@@ -361,6 +363,21 @@ static void blocks_of_8(int bits, const void *qw, const void *sc, const int8_t *
     }
 }
 
+/* This thread's share of the whole call: x quantized into xq/d/s/c, then the tasks. */
+static int team_body(float *y, const float *x, int64_t M, int64_t K, const void *qw,
+                     const void *sc, int64_t N, int bits, int8_t *xq, float *d)
+{
+    const int64_t groups = K / GROUP;
+    float *s = d + M * groups, *c = s + M * groups;
+#pragma omp for schedule(static)
+    for (int64_t m = 0; m < M; m++)
+        quantize_row(x + m * K, K, xq + m * K, d + m * groups, s + m * groups, c + m * groups);
+    if (bits == 4 && M >= WIDE_MIN_ROWS)
+        return wide_int4(qw, sc, xq, d, s, c, M, K, y, N);
+    blocks_of_8(bits, qw, sc, xq, d, s, c, M, K, y, N);
+    return 0;
+}
+
 #else
 #define HAVE_AVX2_KERNEL 0
 #endif
@@ -380,21 +397,12 @@ int group_gemm_avx2(float *y, const float *x, int64_t M, int64_t K, const void *
         free(xq), free(d);
         return 1;
     }
-    float *s = d + M * groups, *c = s + M * groups;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
-#pragma omp for schedule(static)
-        for (int64_t m = 0; m < M; m++)
-            quantize_row(x + m * K, K, xq + m * K, d + m * groups, s + m * groups,
-                         c + m * groups);
-        if (bits == 4 && M >= WIDE_MIN_ROWS) {
-            if (wide_int4(qw, sc, xq, d, s, c, M, K, y, N)) {
+        if (team_body(y, x, M, K, qw, sc, N, (int)bits, xq, d)) {
 #pragma omp atomic write
-                failed = 1;
-            }
-        } else {
-            blocks_of_8((int)bits, qw, sc, xq, d, s, c, M, K, y, N);
+            failed = 1;
         }
     }
     free(xq), free(d);
@@ -403,5 +411,17 @@ int group_gemm_avx2(float *y, const float *x, int64_t M, int64_t K, const void *
     (void)y, (void)x, (void)M, (void)K, (void)qw, (void)sc, (void)N, (void)bits,
         (void)num_threads;
     return 2;
+#endif
+}
+
+int group_gemm_avx2_team(float *y, const float *x, int64_t M, int64_t K, const void *qw,
+                         const void *sc, int64_t N, int64_t bits, int8_t *xq, float *d)
+{
+#if HAVE_AVX2_KERNEL
+    return team_body(y, x, M, K, qw, sc, N, (int)bits, xq, d);
+#else
+    (void)y, (void)x, (void)M, (void)K, (void)qw, (void)sc, (void)N, (void)bits, (void)xq,
+        (void)d;
+    return 1;
 #endif
 }

@@ -38,6 +38,7 @@
 #include <string.h>
 
 #include "storage.h"
+#include "team.h"
 
 #define PART 256 /* most tokens a task: 2 tasks per thread at 16 decodes of 512 on 2 cores */
 #define MIN_PART 32 /* fewest: a part's fixed costs (softmax pass, merge) stay small */
@@ -218,6 +219,88 @@ static int64_t plan_parts(const int64_t *seq_lens, int64_t num_seqs, int64_t win
     return part;
 }
 
+int decode_plan_init(DecodePlan *p, const int64_t *seq_lens, int64_t num_seqs, int64_t window,
+                     int64_t heads, int64_t head_dim, int64_t num_threads)
+{
+    p->first = malloc(sizeof(int64_t) * (num_seqs + 1));
+    p->m = p->l = p->acc = NULL;
+    if (p->first == NULL)
+        return 1;
+    p->part = plan_parts(seq_lens, num_seqs, window, num_threads, p->first);
+    p->tasks = p->first[num_seqs];
+    p->m = malloc(sizeof(float) * p->tasks * heads);
+    p->l = malloc(sizeof(float) * p->tasks * heads);
+    p->acc = malloc(sizeof(float) * p->tasks * heads * head_dim);
+    if (p->m == NULL || p->l == NULL || p->acc == NULL) {
+        decode_plan_free(p);
+        return 1;
+    }
+    return 0;
+}
+
+void decode_plan_free(DecodePlan *p)
+{
+    free(p->first), free(p->m), free(p->l), free(p->acc);
+    p->first = NULL, p->m = p->l = p->acc = NULL;
+}
+
+/* scores: [heads, PART]; then the query in float32 [heads, D] (the merge's row too); then a
+ * run of RUN_MAX tokens' K or V rows in bfloat16 (kv_heads * D each), or of RUN_MAX / 2 tokens'
+ * in float32 (the AVX2 path's RUN8). */
+float *decode_scratch(int64_t heads, int64_t kv_heads, int64_t head_dim)
+{
+    return malloc(sizeof(float) * (heads * (PART + head_dim) + RUN_MAX * kv_heads * head_dim / 2
+                                   + 16));
+}
+
+/* The tasks, then the merges, of this thread (all of them must call it; `scratch` NULL in a
+ * thread whose buffer could not be allocated: it skips its tasks, and the caller must not use
+ * the output). q and out are stored as `bf16` says. */
+static void decode_team(const DecodePlan *p, float *scratch, void *out, const void *q, int bf16,
+                        const Cache *c, int64_t kv_kind, const int64_t *block_table,
+                        int64_t table_width, const int64_t *seq_lens, const int64_t *rows,
+                        int64_t num_seqs, int64_t window, int64_t head_dim)
+{
+    const int64_t heads = c->heads, row_stride = heads * head_dim;
+    float *qf = scratch == NULL ? NULL : scratch + heads * PART;
+    uint16_t *run = scratch == NULL ? NULL : (uint16_t *)(qf + heads * head_dim);
+    const size_t elem = bf16 ? 2 : 4;
+    int64_t s = 0;
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < p->tasks; t++) {
+        if (scratch == NULL)
+            continue;
+        while (p->first[s + 1] <= t) /* this thread's tasks come in order: s only grows */
+            s++;
+        while (p->first[s] > t)
+            s--;
+        const int64_t begin = first_token(seq_lens[s], window) + (t - p->first[s]) * p->part;
+        const int64_t end = begin + p->part < seq_lens[s] ? begin + p->part : seq_lens[s];
+        attend_part_any(c, head_dim, bf16, (int)kv_kind,
+                        (const char *)q + rows[s] * row_stride * elem, qf, run,
+                        block_table + s * table_width, begin, end, scratch, p->m + t * heads,
+                        p->l + t * heads, p->acc + t * heads * head_dim);
+    }
+#pragma omp for schedule(static)
+    for (int64_t s2 = 0; s2 < num_seqs; s2++)
+        if (scratch != NULL)
+            merge_parts((char *)out + rows[s2] * row_stride * elem, bf16,
+                        p->first[s2 + 1] - p->first[s2], heads, head_dim,
+                        p->m + p->first[s2] * heads, p->l + p->first[s2] * heads,
+                        p->acc + p->first[s2] * heads * head_dim, qf);
+}
+
+void paged_decode_team(const DecodePlan *p, float *scratch, float *out, const float *q,
+                       const void *k_cache, const void *v_cache, int64_t kv_kind,
+                       const int64_t *block_table, int64_t table_width, const int64_t *seq_lens,
+                       const int64_t *rows, int64_t num_seqs, int64_t window, int64_t heads,
+                       int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale)
+{
+    const Cache c = {k_cache, v_cache, heads, kv_heads, block_size, scale};
+    decode_team(p, scratch, out, q, 0, &c, kv_kind, block_table, table_width, seq_lens, rows,
+                num_seqs, window, head_dim);
+}
+
 int paged_decode_attention(void *out, const void *q, const void *k_cache, const void *v_cache,
                            int64_t bf16, int64_t kv_kind, const int64_t *block_table,
                            int64_t table_width,
@@ -226,65 +309,22 @@ int paged_decode_attention(void *out, const void *q, const void *k_cache, const 
                            int64_t block_size, float scale, int64_t num_threads)
 {
     const Cache c = {k_cache, v_cache, heads, kv_heads, block_size, scale};
-    const int64_t row_stride = heads * head_dim;
-    int64_t *first = malloc(sizeof(int64_t) * (num_seqs + 1));
-    if (first == NULL)
+    DecodePlan plan;
+    if (decode_plan_init(&plan, seq_lens, num_seqs, window, heads, head_dim, num_threads))
         return 1;
-    const int64_t part = plan_parts(seq_lens, num_seqs, window, num_threads, first);
-    const int64_t tasks = first[num_seqs];
-    float *m = malloc(sizeof(float) * tasks * heads), *l = malloc(sizeof(float) * tasks * heads);
-    float *acc = malloc(sizeof(float) * tasks * heads * head_dim);
-    int failed = m == NULL || l == NULL || acc == NULL;
-    if (failed) {
-        free(first);
-        free(m);
-        free(l);
-        free(acc);
-        return 1;
-    }
+    int failed = 0;
     /* The caller's thread count (PyTorch's): a thread it did not start has libgomp's default. */
 #pragma omp parallel num_threads(num_threads)
     {
-        /* scores: [heads, PART]; then the query in float32 [heads, D] (the merge's row too);
-         * then a run of RUN_MAX tokens' K or V rows in bfloat16 (kv_heads * D each), or of
-         * RUN_MAX / 2 tokens' in float32 (the AVX2 path's RUN8). */
-        float *scores = malloc(sizeof(float) * (heads * (PART + head_dim) +
-                                                RUN_MAX * kv_heads * head_dim / 2 + 16));
-        float *qf = scores == NULL ? NULL : scores + heads * PART;
-        uint16_t *run = scores == NULL ? NULL : (uint16_t *)(qf + heads * head_dim);
-        if (scores == NULL) {
+        float *scratch = decode_scratch(heads, kv_heads, head_dim);
+        if (scratch == NULL) {
 #pragma omp atomic write
             failed = 1;
         }
-        /* Every thread takes part in the loops (an OpenMP rule); one without a buffer skips. */
-        int64_t s = 0;
-        const size_t elem = bf16 ? 2 : 4;
-#pragma omp for schedule(static)
-        for (int64_t t = 0; t < tasks; t++) {
-            if (scores == NULL)
-                continue;
-            while (first[s + 1] <= t) /* this thread's tasks come in order: s only grows */
-                s++;
-            while (first[s] > t)
-                s--;
-            const int64_t begin = first_token(seq_lens[s], window) + (t - first[s]) * part;
-            const int64_t end = begin + part < seq_lens[s] ? begin + part : seq_lens[s];
-            attend_part_any(&c, head_dim, bf16, kv_kind,
-                            (const char *)q + rows[s] * row_stride * elem, qf, run,
-                            block_table + s * table_width, begin, end, scores, m + t * heads,
-                            l + t * heads, acc + t * heads * head_dim);
-        }
-#pragma omp for schedule(static)
-        for (int64_t s2 = 0; s2 < num_seqs; s2++)
-            if (!failed)
-                merge_parts((char *)out + rows[s2] * row_stride * elem, bf16,
-                            first[s2 + 1] - first[s2], heads, head_dim, m + first[s2] * heads,
-                            l + first[s2] * heads, acc + first[s2] * heads * head_dim, qf);
-        free(scores);
+        decode_team(&plan, scratch, out, q, (int)bf16, &c, kv_kind, block_table, table_width,
+                    seq_lens, rows, num_seqs, window, head_dim);
+        free(scratch);
     }
-    free(first);
-    free(m);
-    free(l);
-    free(acc);
+    decode_plan_free(&plan);
     return failed;
 }
