@@ -37,31 +37,35 @@ def _prompts(lengths: list[int], vocab: int) -> list[list[int]]:
             for i, n in enumerate(lengths)]
 
 
-def _run(path: str, eager: bool, prompts: list[list[int]], **kwargs: Any) -> tuple[list, int]:
-    """(each output's (token ids, logprobs)), and how many steps ran the C stack."""
-    llm = LLM(model=path, enforce_eager=eager, max_num_batched_tokens=32, max_model_len=256,
-              **kwargs)
+def _run(path: str, eager: bool, prompts: list[list[int]], **kwargs: Any) -> tuple[list, list]:
+    """(each output's (token ids, logprobs)), and the token count of each step that ran the C
+    stack. A budget of 32 by default: prompts in chunks, steps of chunks and decodes mixed."""
+    llm = LLM(model=path, enforce_eager=eager, **{"max_num_batched_tokens": 32,
+                                                  "max_model_len": 256, **kwargs})
     runner = llm.engine.executor
     fused: FusedDecodeStack | None = runner.fused_decode  # type: ignore[attr-defined]
-    calls = [0]
+    steps: list[int] = []
     if fused is not None:
         run = fused.run
 
-        def counting(*args: Any) -> Any:
-            hidden = run(*args)
-            calls[0] += hidden is not None
+        def counting(input_ids: Any, *args: Any) -> Any:
+            hidden = run(input_ids, *args)
+            if hidden is not None:
+                steps.append(input_ids.shape[0])
             return hidden
         fused.run = counting  # type: ignore[method-assign]
     outs = llm.generate(prompts, PARAMS)
     llm.engine.close()
-    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], calls[0]
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], steps
 
 
-def _same(path: str, prompts: list[list[int]], **kwargs: Any) -> None:
-    fused, calls = _run(path, False, prompts, **kwargs)
-    eager, eager_calls = _run(path, True, prompts, **kwargs)
-    assert calls > 0 and eager_calls == 0, "the fused step did not run (or ran under eager)"
+def _same(path: str, prompts: list[list[int]], **kwargs: Any) -> list[int]:
+    """Asserts equal outputs; returns the token counts of the fused steps."""
+    fused, steps = _run(path, False, prompts, **kwargs)
+    eager, eager_steps = _run(path, True, prompts, **kwargs)
+    assert steps and not eager_steps, "the fused step did not run (or ran under eager)"
     assert fused == eager
+    return steps
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +90,15 @@ def test_fused_equals_op_by_op(folders: dict[str, Path], arch: str, quantization
     prompts = _prompts([3, 17, 40, 70], 512)
     _same(str(folders[arch]), prompts, dtype="float32", quantization=quantization,
           kv_cache_dtype=kv)
+
+
+def test_many_decodes_fused_equals_op_by_op(folders: dict[str, Path]) -> None:
+    """24 decodes a step: int4's many-row GEMM path (group_gemm_avx2.c's WIDE_MIN_ROWS, 20)
+    inside the stack, and attention tasks of many decodes."""
+    prompts = _prompts([3 + 5 * i for i in range(24)], 512)
+    steps = _same(str(folders["llama"]), prompts, dtype="float32", quantization="int4",
+                  kv_cache_dtype="bfloat16", max_num_seqs=32, max_num_batched_tokens=2048)
+    assert max(steps) == 24
 
 
 def test_default_model_fused_equals_op_by_op(smollm2_path: str) -> None:
