@@ -20,7 +20,10 @@
  *     Loads, not FMAs, bound these loops: a broadcast serves ROWV multiply-adds, a row vector
  *     KPASS (or DPASS). With one vector of rows (8) the kernel was 2-10% slower than with two;
  *     three (12 accumulators either way: 7 loads per 12 FMAs, not 8) 1.02-1.07x faster than
- *     two on top of the longer steps below;
+ *     two on top of the longer steps below. The row vectors are pinned in registers
+ *     (in_register): left to GCC, all 16 registers taken, it reloaded them for every key (16
+ *     loads per 12 FMAs), and the kernel ran 1.27x slower on a Zen 3 (two vector loads a
+ *     cycle; docs/performance.md, issue 33);
  *   - causal, aligned to the bottom right, and a sliding window: chunk_masks.h's rule, applied
  *     as a lane mask on every step; a task's key loop starts at its first row's oldest visible
  *     key, so blocks before it (which the KV cache may have freed) are never read.
@@ -92,6 +95,16 @@ static inline __attribute__((always_inline)) __m256 exp8(__m256 x)
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
+/* An empty instruction that reads and writes *a in a register: a vector loaded once then stays
+ * there for every multiply-add that uses it. Without it GCC folds the load into each multiply-add
+ * as a memory operand (the 16 registers are all taken), so each row vector was loaded KPASS (or
+ * DPASS) times: 16 loads per 12 multiply-adds, more than a Zen 3's two vector loads a cycle
+ * feed. */
+static inline __attribute__((always_inline)) void in_register(__m256 *a)
+{
+    __asm__("" : "+x"(*a));
+}
+
 /* Lanes 8h .. 8h+7 of a row-set of chunk_masks.h as a vector: all bits set in lane i iff bit
  * 8h + i is. */
 static inline __attribute__((always_inline)) __m256 lane_mask(uint32_t rows, int h)
@@ -158,8 +171,10 @@ score_keys(const int64_t D, const float *qt, const float *const *k, const __m256
         acc[a] = _mm256_setzero_ps();
     for (int64_t d = 0; d < D; d++) {
         __m256 qv[ROWV];
-        for (int h = 0; h < ROWV; h++)
+        for (int h = 0; h < ROWV; h++) {
             qv[h] = _mm256_load_ps(qt + d * TILE + LANES * h);
+            in_register(&qv[h]);
+        }
         for (int jj = 0; jj < KPASS; jj++) {
             const __m256 kv = _mm256_broadcast_ss(k[jj] + d);
             for (int h = 0; h < ROWV; h++)
@@ -187,8 +202,10 @@ accumulate_keys(const int64_t D, const float *p, const float *const *v, int64_t 
                     _mm256_load_ps(ot + (d0 + e) * TILE + LANES * h), alpha[h]);
         for (int64_t jj = 0; jj < n; jj++) {
             __m256 pv[ROWV];
-            for (int h = 0; h < ROWV; h++)
+            for (int h = 0; h < ROWV; h++) {
                 pv[h] = _mm256_load_ps(p + jj * TILE + LANES * h);
+                in_register(&pv[h]);
+            }
             for (int e = 0; e < DPASS; e++) {
                 const __m256 x = _mm256_broadcast_ss(v[jj] + d0 + e);
                 for (int h = 0; h < ROWV; h++)
