@@ -9,6 +9,7 @@ import asyncio
 import json
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -60,6 +61,54 @@ def _chunk_text(choice: dict[str, Any], chat: bool) -> str:
     return (delta.get("content") or "") + (delta.get("reasoning_content") or "")
 
 
+@dataclass
+class _Stream:
+    """What one response's SSE events said so far, with when each text chunk came."""
+
+    chat: bool
+    start: float
+    text_parts: list[str] = field(default_factory=list)
+    itl: list[float] = field(default_factory=list)
+    usage_tokens: int | None = None
+    first_ts: float | None = None
+    last_text_ts: float | None = None
+    last_choice_ts: float | None = None
+
+    def on_event(self, event: dict[str, Any], now: float) -> None:
+        if event.get("usage"):
+            self.usage_tokens = event["usage"].get("completion_tokens")
+        choices = event.get("choices")
+        if not choices:
+            return
+        self.last_choice_ts = now
+        text = _chunk_text(choices[0], self.chat)
+        if not text:
+            return  # e.g. the chat role chunk: no token yet
+        if self.last_text_ts is None:
+            self.first_ts = now
+        else:
+            self.itl.append(now - self.last_text_ts)
+        self.last_text_ts = now
+        self.text_parts.append(text)
+
+    def finish(self, result: RequestResult, count_tokens: Callable[[str], int] | None) -> None:
+        """The result of a stream that ended well: timings and the output's token count."""
+        if self.first_ts is None:
+            result.error = "Never received a valid chunk to calculate TTFT."
+            return
+        result.itl = self.itl
+        result.generated_text = "".join(self.text_parts)
+        result.ttft = self.first_ts - self.start
+        result.latency = (self.last_choice_ts or self.first_ts) - self.start
+        if self.usage_tokens is not None:
+            result.output_len = int(self.usage_tokens)
+        elif count_tokens is not None:
+            result.output_len = count_tokens(result.generated_text)
+        else:
+            result.output_len = len(self.text_parts)
+        result.success = True
+
+
 async def send_request(session: aiohttp.ClientSession, url: str, payload: dict[str, Any], *,
                        prompt_len: int, headers: dict[str, str] | None = None,
                        count_tokens: Callable[[str], int] | None = None) -> RequestResult:
@@ -69,13 +118,9 @@ async def send_request(session: aiohttp.ClientSession, url: str, payload: dict[s
     may hold several tokens), latency runs to the last chunk with choices, and output tokens
     are usage.completion_tokens (else `count_tokens(text)`, else the number of text chunks).
     """
-    chat = "messages" in payload
     result = RequestResult(success=False, prompt_len=prompt_len, output_len=0, ttft=0.0)
-    text_parts: list[str] = []
-    usage_tokens: int | None = None
-    first_ts = last_text_ts = last_choice_ts = None
-    start = time.perf_counter()
-    result.start_time = start
+    stream = _Stream("messages" in payload, time.perf_counter())
+    result.start_time = stream.start
     try:
         async with session.post(url, json=payload, headers=headers) as response:
             if response.status != 200:
@@ -94,35 +139,9 @@ async def send_request(session: aiohttp.ClientSession, url: str, payload: dict[s
                 if "error" in event:
                     result.error = f"stream error: {json.dumps(event['error'])[:1000]}"
                     return result
-                if event.get("usage"):
-                    usage_tokens = event["usage"].get("completion_tokens")
-                choices = event.get("choices")
-                if not choices:
-                    continue
-                last_choice_ts = now
-                text = _chunk_text(choices[0], chat)
-                if not text:
-                    continue  # e.g. the chat role chunk: no token yet
-                if first_ts is None:
-                    first_ts = now
-                else:
-                    result.itl.append(now - last_text_ts)  # type: ignore[operator]
-                last_text_ts = now
-                text_parts.append(text)
+                stream.on_event(event, now)
     except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError, ValueError) as e:
         result.error = f"{type(e).__name__}: {e}"
         return result
-    if first_ts is None:
-        result.error = "Never received a valid chunk to calculate TTFT."
-        return result
-    result.generated_text = "".join(text_parts)
-    result.ttft = first_ts - start
-    result.latency = (last_choice_ts or first_ts) - start
-    if usage_tokens is not None:
-        result.output_len = int(usage_tokens)
-    elif count_tokens is not None:
-        result.output_len = count_tokens(result.generated_text)
-    else:
-        result.output_len = len(text_parts)
-    result.success = True
+    stream.finish(result, count_tokens)
     return result

@@ -24,6 +24,20 @@ from chunkserve.engine.trace import TRACE_FORMATS
 
 
 def add_engine_args(p: argparse.ArgumentParser, model_flag: bool = True) -> None:
+    """The engine's flags (vLLM's names), grouped as `--help` shows them."""
+    _add_model_args(p, model_flag)
+    _add_parallel_args(p)
+    _add_scheduling_args(p.add_argument_group("scheduling"))
+    _add_cache_args(p.add_argument_group("KV cache"))
+    p.add_argument("--trace-file", default=None,
+                   help="write the step trace there: one JSON line per engine step, or a "
+                        "Perfetto timeline for a .json file (docs/trace.md)")
+    p.add_argument("--trace-format", choices=TRACE_FORMATS, default=None,
+                   help="jsonl or perfetto (ui.perfetto.dev, chrome://tracing); default: "
+                        "perfetto for a .json --trace-file, else jsonl")
+
+
+def _add_model_args(p: argparse.ArgumentParser, model_flag: bool) -> None:
     if model_flag:
         p.add_argument("--model", default="smollm2-135m",
                        help="'smollm2-135m', a .gguf file or a HF folder (config.json + safetensors)")
@@ -48,6 +62,9 @@ def add_engine_args(p: argparse.ArgumentParser, model_flag: bool = True) -> None
     p.add_argument("--enforce-eager", action="store_true",
                    help="decode steps op by op: no CUDA graphs on a GPU, no fused decode "
                         "step (every layer in one C call) on a CPU")
+
+
+def _add_parallel_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="ranks that each hold a shard of every layer (processes on this "
                         "machine, gloo on the CPU; the cores are split among them). The "
@@ -66,7 +83,9 @@ def add_engine_args(p: argparse.ArgumentParser, model_flag: bool = True) -> None
     p.add_argument("--master-port", type=int, default=0,
                    help="the port node 0 listens on for the other nodes (rank 0's store, or "
                         "the server's with --data-parallel-size); needed with --nnodes > 1")
-    g = p.add_argument_group("scheduling")
+
+
+def _add_scheduling_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None)
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="per-step token budget (the chunk size); default 2048 when chunking")
@@ -77,7 +96,9 @@ def add_engine_args(p: argparse.ArgumentParser, model_flag: bool = True) -> None
     g.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES, default="fcfs")
     add_chunk_policy_args(g)
     add_cost_model_arg(g)
-    c = p.add_argument_group("KV cache")
+
+
+def _add_cache_args(c: argparse._ArgumentGroup) -> None:
     c.add_argument("--block-size", type=int, default=16)
     c.add_argument("--kv-cache-memory", type=float, default=None, help="GiB (default 2)")
     c.add_argument("--num-kv-blocks", type=int, default=None, help="overrides --kv-cache-memory")
@@ -94,12 +115,6 @@ def add_engine_args(p: argparse.ArgumentParser, model_flag: bool = True) -> None
     c.add_argument("--disable-hybrid-kv-cache-manager", action="store_true",
                    help="one block table for all layers: sliding-window layers keep every "
                         "block instead of freeing what left their window (vLLM's flag)")
-    p.add_argument("--trace-file", default=None,
-                   help="write the step trace there: one JSON line per engine step, or a "
-                        "Perfetto timeline for a .json file (docs/trace.md)")
-    p.add_argument("--trace-format", choices=TRACE_FORMATS, default=None,
-                   help="jsonl or perfetto (ui.perfetto.dev, chrome://tracing); default: "
-                        "perfetto for a .json --trace-file, else jsonl")
 
 
 def add_chunk_policy_args(p: argparse._ActionsContainer) -> None:

@@ -96,6 +96,13 @@ def build_app(
     app.state.model = info.model
     app.state.async_engine = async_engine
     _add_error_handlers(app)
+    _add_routers(app, web_ui, enable_dev_endpoints, profiler_dir)
+    return app
+
+
+def _add_routers(app: FastAPI, web_ui: bool, enable_dev_endpoints: bool,
+                 profiler_dir: str | None) -> None:
+    """The API's routes, and the optional ones the flags turn on."""
     app.include_router(router)
     app.include_router(openai_router)
     if web_ui:
@@ -108,7 +115,6 @@ def build_app(
         log.warning("torch profiler endpoints enabled, traces in %s: for development only",
                     profiler_dir)
         app.include_router(profile_router)
-    return app
 
 
 def _add_error_handlers(app: FastAPI) -> None:

@@ -93,6 +93,46 @@ def _find_seq(query_start_loc_ptr, q_block_id, num_seqs, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
+def _attend_tile(
+    q, m_i, l_i, acc, start_n, kv_end, q_pos, row_ok, d, d_ok, bt_row, kv_head, scale,
+    k_cache_ptr, v_cache_ptr, stride_kc_b, stride_kc_s, stride_kc_h,
+    stride_vc_b, stride_vc_s, stride_vc_h,
+    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    WINDOW: tl.constexpr,
+):
+    """One tile of TILE_N keys from `start_n` into the rows' online softmax: returns the new
+    (row max, row sum, accumulator)."""
+    n = start_n + tl.arange(0, TILE_N)
+    n_ok = n < kv_end
+    block = tl.load(bt_row + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+    in_block = n % BLOCK_SIZE
+    k_off = block * stride_kc_b + in_block * stride_kc_s + kv_head * stride_kc_h
+    k = tl.load(
+        k_cache_ptr + k_off[None, :] + d[:, None],
+        mask=n_ok[None, :] & d_ok[:, None], other=0.0,
+    )  # [HEAD_DIM_P2, TILE_N]
+    s = tl.dot(q, k, input_precision=INPUT_PRECISION) * scale
+    visible = row_ok[:, None] & n_ok[None, :] & (n[None, :] <= q_pos[:, None])
+    if WINDOW > 0:
+        visible = visible & (q_pos[:, None] - n[None, :] < WINDOW)
+    s = tl.where(visible, s, float("-inf"))
+    # Online softmax; a row that has seen no key yet keeps max -inf, so shift by 0 there
+    # to avoid (-inf) - (-inf).
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp(s - shift[:, None])
+    alpha = tl.exp(m_i - shift)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v_off = block * stride_vc_b + in_block * stride_vc_s + kv_head * stride_vc_h
+    v = tl.load(
+        v_cache_ptr + v_off[:, None] + d[None, :],
+        mask=n_ok[:, None] & d_ok[None, :], other=0.0,
+    )  # [TILE_N, HEAD_DIM_P2]
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _unified_attention_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
     block_table_ptr, seq_lens_ptr, query_start_loc_ptr,
@@ -151,34 +191,12 @@ def _unified_attention_kernel(
         # (int32 like the 0 above, should WINDOW be compiled as a run-time value.)
         kv_begin = tl.maximum(prefix + q_block * BLOCK_Q - WINDOW + 1, 0).to(tl.int32)
     for start_n in range(kv_begin, kv_end, TILE_N):
-        n = start_n + tl.arange(0, TILE_N)
-        n_ok = n < kv_end
-        block = tl.load(bt_row + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
-        in_block = n % BLOCK_SIZE
-        k_off = block * stride_kc_b + in_block * stride_kc_s + kv_head * stride_kc_h
-        k = tl.load(
-            k_cache_ptr + k_off[None, :] + d[:, None],
-            mask=n_ok[None, :] & d_ok[:, None], other=0.0,
-        )  # [HEAD_DIM_P2, TILE_N]
-        s = tl.dot(q, k, input_precision=INPUT_PRECISION) * scale
-        visible = row_ok[:, None] & n_ok[None, :] & (n[None, :] <= q_pos[:, None])
-        if WINDOW > 0:
-            visible = visible & (q_pos[:, None] - n[None, :] < WINDOW)
-        s = tl.where(visible, s, float("-inf"))
-        # Online softmax; a row that has seen no key yet keeps max -inf, so shift by 0 there
-        # to avoid (-inf) - (-inf).
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - shift[:, None])
-        alpha = tl.exp(m_i - shift)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v_off = block * stride_vc_b + in_block * stride_vc_s + kv_head * stride_vc_h
-        v = tl.load(
-            v_cache_ptr + v_off[:, None] + d[None, :],
-            mask=n_ok[:, None] & d_ok[None, :], other=0.0,
-        )  # [TILE_N, HEAD_DIM_P2]
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, start_n, kv_end, q_pos, row_ok, d, d_ok, bt_row, kv_head, scale,
+            k_cache_ptr, v_cache_ptr, stride_kc_b, stride_kc_s, stride_kc_h,
+            stride_vc_b, stride_vc_s, stride_vc_h,
+            BLOCK_SIZE, TILE_N, INPUT_PRECISION, WINDOW,
+        )
 
     acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(
