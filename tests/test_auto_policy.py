@@ -348,13 +348,13 @@ def test_greedy_output_is_identical_under_auto_and_static(tiny_model_dir: str, t
     assert [o.outputs[0].token_ids for o in auto.generate(prompts, greedy)] == want
     auto.engine.close()
 
-    # A target just above one decode: nothing but the floor fits. The online model is warmed
-    # on a known machine's steps and kept from refitting, so that this machine's timing noise
-    # (a probe on a busy 2-core box can find tokens free) cannot widen the chunks.
-    from tests.test_online_model import probe_steps, true_time
+    # A target just above one decode: nothing but the floor fits. The steps are planned with
+    # a known machine's cost model, which learns nothing, so that this machine's timing (a
+    # tiny model's steps are far cheaper than that machine's) cannot widen the chunks.
+    from chunkserve.sim.cost_model import planned_step_time
+    from tests.test_online_model import MACHINE
 
-    frozen = OnlineCostModel(refit_every=10**9)
-    frozen.fit_probe([(s, true_time(s)) for s in probe_steps()])
+    frozen = planned_step_time(MACHINE)
     one_decode = frozen(PlannedStep(1, 1, 0, 0))
     trace = tmp_path / "tight.jsonl"
     tight = run(chunk_policy="adaptive", target_itl_ms=one_decode * 1e3 * 1.05,

@@ -400,18 +400,73 @@ def test_planning_margin_follows_recent_under_prediction() -> None:
     from chunkserve.core.chunk_budget import PlannedStep
 
     rng = np.random.default_rng(6)
-    model = warm_model(rng, refit_every=10_000)  # no refit: only the margin moves
+    # No refit, and the re-levelling sees mostly decode steps the fit predicts exactly (their
+    # median is the level): only the margin moves.
+    model = warm_model(rng, refit_every=10_000, min_live=10_000)
     step = PlannedStep(2, 200, 128, 0)
     assert model.margin == 1.0 and model(step) == pytest.approx(model.predict(
         planned_shape_of(step)))
-    for _ in range(32):  # prefill steps that run 20% over the prediction
+    decode = [sr(1, 300, True, True)] * 4
+    for _ in range(32):  # prefill steps that run 20% over the prediction, among decodes
         s = [sr(int(rng.integers(32, 512)), 0, False, True)]
         model.observe(s, 1.2 * model.predict(StepShape.from_scheduled(s)))
+        for _ in range(3):
+            model.observe(decode, model.predict(StepShape.from_scheduled(decode)))
     assert model.margin == pytest.approx(1.2, rel=0.01)
     assert model(step) == pytest.approx(1.2 * model.predict(planned_shape_of(step)), rel=0.01)
+
+
+@pytest.mark.parametrize("probe_factor", [0.5, 2.0])
+def test_a_wrong_warm_start_is_corrected_from_the_first_step(probe_factor: float) -> None:
+    """A cached probe from a busier or quieter hour (the machine 2x slower or faster than it
+    said): one live step re-levels the fit, before any full refit."""
+    rng = np.random.default_rng(7)
+    model = OnlineCostModel()
+    model.fit_probe([(s, measured(rng, s, factor=probe_factor)) for s in probe_steps()])
+    step = [sr(1, 300, True, True)] * 8 + [sr(128, 0, False, True)]
+    model.observe(step, measured(rng, step))
+    for shape in ([sr(1, 300, True, True)] * 8, [sr(200, 0, False, True)],
+                  [sr(1, 100, True, True)] * 16 + [sr(64, 0, False, True)]):
+        assert model.predict(StepShape.from_scheduled(shape)) == pytest.approx(
+            true_time(shape), rel=0.10)
+
+
+@pytest.mark.parametrize("probe_factor", [0.5, 2.0])
+def test_planning_is_right_again_once_the_fit_is(probe_factor: float) -> None:
+    """Planned steps come out at the machine's step times once the fit has caught up: the
+    margin is measured against the fit the planner uses now, so under-predictions the refit
+    corrected (a cache twice too fast) no longer halve every chunk (they did for 64 steps)."""
+    from chunkserve.core.chunk_budget import PlannedStep
+
+    rng = np.random.default_rng(8)
+    model = OnlineCostModel()
+    model.fit_probe([(s, measured(rng, s, factor=probe_factor)) for s in probe_steps()])
+    for _ in range(24):  # mixed steps under load, at the machine's own times
+        step = [sr(1, int(rng.integers(64, 400)), True, True)] * 8
+        step.append(sr(int(rng.integers(32, 256)), 0, False, True))
+        model.observe(step, measured(rng, step))
+    for planned in (PlannedStep(8, 8 * 200, 128, 0), PlannedStep(8, 8 * 300, 200, 0)):
+        ratio = model(planned) / step_time(MACHINE, planned_shape_of(planned))
+        assert 0.95 <= ratio <= 1.2, (planned, ratio)  # was 1.96 with a cache 2x too fast
 
 
 def planned_shape_of(step: object) -> StepShape:
     from chunkserve.sim.cost_model import planned_shape
 
     return planned_shape(step)  # type: ignore[arg-type]
+
+
+# ---- in the engine loop, under load (the simulator; benchmarks/simulator/stale_fit.py) -------
+def test_a_wrong_warm_start_costs_at_most_the_first_step_under_load() -> None:
+    """The served capacity phase on the simulator with the online model planning every step:
+    a cache twice too fast ran eight steps past the token-gap target before re-levelling; now
+    only the first one. A fresh warm start runs none."""
+    from benchmarks.simulator import stale_fit
+
+    starts = dict(stale_fit.WARM_STARTS)
+    fresh = stale_fit.run("fresh", starts["fresh"], seed=0)
+    wrong = stale_fit.run("2x fast", starts["2x fast"], seed=0)
+    assert fresh["steps > 1.1x target"] == 0
+    assert wrong["steps > 1.1x target"] <= 1
+    assert wrong["error, steps 0-15"] <= 0.10
+    assert wrong["req/s"] == pytest.approx(fresh["req/s"], rel=0.03)

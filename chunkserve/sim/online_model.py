@@ -7,7 +7,9 @@ minutes. This model fits the same terms in the engine, continuously:
    step shapes on this machine and this model; the fit of those is cached under
    ~/.cache/chunkserve/step_model/ keyed by everything that changes step times (machine, model,
    dtype, quantization, ...), so a restart on the same machine skips the probe.
-2. **Refit.** Every `refit_every` steps it refits on the probe's steps plus the last `window`
+2. **Refit.** Until `min_live` live steps, each one re-levels the warm start's fit (scales it
+   to how fast the machine runs now: a cached probe may come from a busier hour or older
+   kernels). Then every `refit_every` steps it refits on the probe's steps plus the last `window`
    live steps, with recent steps weighted more (half-life `half_life` steps) and Huber's
    weights against outliers (fit.robust_lstsq): a step slowed by a noisy neighbour counts as a
    few typical steps, a slowdown most recent steps share moves the fit.
@@ -52,6 +54,7 @@ logger = logging.getLogger(__name__)
 
 CACHE_VERSION = 2  # bump when the probe or the features change: old cache files are ignored
 TRUST_FACTOR = 2.0  # a planned chunk at most this many times the largest measured one
+MARGIN_STEPS = 64  # the recent steps with prefill whose under-prediction sets `margin`
 TOKEN = LINEAR_FEATURES.index("token")
 
 
@@ -94,9 +97,10 @@ class OnlineCostModel:
         self._errors: deque[float] = deque(maxlen=64)
         self._since_refit = 0
         self._reported = False  # the first observed step reports the warm start's coefficients
-        # measured / predicted of recent steps that ran prefill (the ones planned up to the
-        # target): the planner's margin (`margin`).
-        self._ratios: deque[float] = deque(maxlen=64)
+        # Recent steps that ran prefill (the ones planned up to the target), as (features,
+        # seconds): their measured / predicted sets the planner's margin (`margin`).
+        self._prefill_steps: deque[tuple[np.ndarray, float]] = deque(maxlen=MARGIN_STEPS)
+        self._margin = 1.0
         self._largest_chunk = 0  # the most prefill tokens of any step measured (probe or live)
         self._probe_coef: np.ndarray | None = None  # the fit of the probe's steps alone
 
@@ -119,12 +123,26 @@ class OnlineCostModel:
 
     @property
     def margin(self) -> float:
-        """The 90th percentile of measured / predicted over the last 64 steps with prefill,
-        between 1 and 2: planning against it keeps most steps near the target under it (a
+        """The 90th percentile of measured / predicted (by the current fit) over the last 64
+        steps with prefill, between 1 and 2: planning against it keeps most steps near the target under it (a
         token gap's p99 is made of those steps) rather than half of them above."""
-        if len(self._ratios) < 8:
-            return 1.0
-        return float(np.clip(np.quantile(self._ratios, 0.9), 1.0, 2.0))
+        return self._margin
+
+    def _update_margin(self) -> None:
+        """`margin` against the coefficients the planner uses now. Predicted by them, not by
+        the ones each step was planned with: after a refit has corrected a wrong warm start
+        (the machine twice as fast as its cached probe said), steps the old fit under-predicted
+        must not keep the margin at 2 for another 64 steps with prefill, halving every chunk
+        (measured on a Zen 3: half the chunk, twice the median token gap, until they aged out).
+        Between refits the coefficients do not change, so it is the out-of-sample ratio."""
+        if len(self._prefill_steps) < 8:
+            self._margin = 1.0
+            return
+        assert self.coef is not None
+        x = np.array([r[0] for r in self._prefill_steps])
+        measured = np.array([r[1] for r in self._prefill_steps])
+        ratios = measured / np.maximum(x @ self.coef, 1e-9)
+        self._margin = float(np.clip(np.quantile(ratios, 0.9), 1.0, 2.0))
 
     def predict(self, shape: StepShape) -> float:
         assert self.coef is not None, "warm_start() first"
@@ -178,16 +196,37 @@ class OnlineCostModel:
         self._errors.append(abs(predicted - duration) / duration)
         chunk = _chunk_tokens(shape)
         if chunk:
-            self._ratios.append(duration / max(predicted, 1e-9))
+            self._prefill_steps.append((x, duration))
             self._largest_chunk = max(self._largest_chunk, chunk)
         self._live.append((x, duration, _family(shape)))
         self._since_refit += 1
-        refit = self._since_refit >= self.refit_every and len(self._live) >= self.min_live
+        # Before `min_live` live steps, every step re-levels the warm start (`_relevel`); the
+        # first full refit comes at `min_live`, then one every `refit_every`.
+        num_live = len(self._live)
+        refit = num_live >= self.min_live and (self._since_refit >= self.refit_every
+                                               or num_live == self.min_live)
+        relevel = num_live < self.min_live
         if refit:
             self._refit()
-        new_fit = refit or not self._reported
+        elif relevel:
+            self._relevel()
+        self._update_margin()
+        new_fit = refit or relevel or not self._reported
         self._reported = True
         return StepModelState(predicted, self.error, self.coefficients if new_fit else None)
+
+    def _relevel(self) -> None:
+        """Before `min_live` live steps, too few to refit every term on: the warm start's fit
+        scaled to the level the live steps show so far (`_level`, a median: one odd step
+        among several does not move it). A cached probe from a quieter or busier hour, or
+        from older kernels, is corrected from the first step on rather than at `min_live`:
+        with a cache twice too fast, the first eight steps of a Zen 3's server ran at twice
+        the token-gap target (the margin needs eight steps with prefill, the refit sixteen)."""
+        self._since_refit = 0
+        assert self._probe_coef is not None
+        live = list(self._live)
+        self.coef = self._probe_coef * self._level(np.array([r[0] for r in live]),
+                                                   np.array([r[1] for r in live]))
 
     def _refit(self) -> None:
         self._since_refit = 0

@@ -13,6 +13,7 @@ from chunkserve.benchlib.replay import replay
 from chunkserve.benchlib.sweep import RunResult, SweepPoint
 from chunkserve.benchlib.workloads import BenchRequest
 from chunkserve.config import EngineConfig
+from chunkserve.core.chunk_budget import StepTimeFn
 from chunkserve.core.kv_groups import KVCacheGroups
 from chunkserve.engine.clock import VirtualClock
 from chunkserve.engine.llm_engine import LLMEngine
@@ -35,16 +36,21 @@ class SimConfig:
 
 
 def sim_engine(point: SweepPoint, config: SimConfig, cost_model: CostModel,
-               clock: VirtualClock, planner: CostModel | None = None) -> LLMEngine:
+               clock: VirtualClock, planner: CostModel | StepTimeFn | None = None
+               ) -> LLMEngine:
     """The engine of one simulated configuration; `clock` is what its steps advance. The
     adaptive policy sizes chunks with `planner` (default: the cost model that times the steps;
-    another one simulates a machine whose speed differs from the model the engine plans with)."""
+    another one simulates a machine whose speed differs from the model the engine plans with;
+    a step-time callable is planned with as it is: a warm `OnlineCostModel` learns from the
+    simulated steps as it would from real ones)."""
+    if not callable(planner):  # a cost model (or none): plan with its predictions
+        planner = planned_step_time(planner or cost_model)
     engine_config = EngineConfig.from_kwargs(
         max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
         block_size=config.block_size, num_kv_blocks=config.num_kv_blocks,
         preemption_mode=config.preemption_mode,
         enable_prefix_caching=config.enable_prefix_caching, **point.engine_kwargs(),
-        **({"step_time": planned_step_time(planner or cost_model)} if point.adaptive else {}),
+        **({"step_time": planner} if point.adaptive else {}),
     ).resolve(config.max_model_len)
     executor = CostModelExecutor(cost_model, clock, config.num_kv_blocks, config.num_swap_blocks,
                                  config.kv_cache_groups)
@@ -82,7 +88,7 @@ def simulate(
     cost_model: CostModel,
     requests: Sequence[BenchRequest],
     arrivals: Sequence[float],
-    planner: CostModel | None = None,
+    planner: CostModel | StepTimeFn | None = None,
 ) -> RunResult:
     """Replays the workload on the virtual clock; the same shape of result as a real sweep."""
     clock = VirtualClock()
