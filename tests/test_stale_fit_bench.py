@@ -3,11 +3,13 @@ one the engine's step-time model reads as its own (same key, same identity), wit
 steps' durations scaled, or another file's steps (no server started here)."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
 
 import numpy as np
+import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # the repository root
 from benchmarks.serving import stale_fit_served as sfs  # noqa: E402
@@ -42,3 +44,14 @@ def test_table_reports_medians_per_warm_start() -> None:
     runs = {"fresh": [{"request_throughput": r, "median_itl_ms": 40.0, "p99_itl_ms": 250.0,
                        "slow_steps": s} for r, s in ((1.2, 1), (1.4, 3), (1.3, 2))]}
     assert "| fresh | 1.300 | 40 | 250 | 2 |" in sfs.table(runs)
+
+
+@pytest.mark.parametrize("content", [None, "{}", '{"steps": []}', "not json"])
+def test_a_bad_other_cache_is_refused_before_serving(tmp_path, content, capsys) -> None:
+    path = tmp_path / "other.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(SystemExit) as e:
+        sfs.check_cache_file(argparse.ArgumentParser(prog="stale_fit_served.py"), str(path))
+    assert e.value.code == 2
+    assert "not a step-model cache file" in capsys.readouterr().err

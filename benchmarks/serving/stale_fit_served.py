@@ -73,6 +73,16 @@ def variants(fresh_dir: str, out_dir: str, other: str | None) -> dict[str, str]:
     return found
 
 
+def check_cache_file(p: argparse.ArgumentParser, path: str) -> None:
+    try:
+        with open(path) as f:
+            steps = json.load(f)["steps"]
+        if not isinstance(steps, list) or not steps:
+            raise ValueError("no probed steps")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        p.error(f"--other-cache {path}: not a step-model cache file ({e})")
+
+
 def slow_steps(trace: str) -> int:
     with open(trace) as f:
         return sum(1 for line in f if json.loads(line)["duration"] > SLOW_STEP_S)
@@ -107,6 +117,10 @@ def main() -> int:
     p.add_argument("--other-cache", default=None,
                    help="a step-model cache file whose probed steps to warm-start from")
     args = p.parse_args()
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
+    if args.other_cache is not None:
+        check_cache_file(p, args.other_cache)  # before minutes of serving, not after
     out = os.path.abspath(args.out)
     fresh_dir = os.path.join(out, "caches", "fresh")
     os.makedirs(fresh_dir, exist_ok=True)

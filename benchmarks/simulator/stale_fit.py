@@ -144,6 +144,8 @@ def main() -> int:
     p.add_argument("--out", default=None, help="folder for stale_fit.{json,md}")
     p.add_argument("--seeds", type=int, default=5, help="noise seeds; medians are reported")
     args = p.parse_args()
+    if args.seeds < 1:
+        p.error("--seeds must be at least 1")
     rows = []
     for name, probe_machine in WARM_STARTS:
         runs = [run(name, probe_machine, seed) for seed in range(args.seeds)]
