@@ -155,3 +155,30 @@ def test_every_architecture_matches_eager_and_transformers_with_graphs(tmp_path,
             out = model.generate(torch.tensor([prompt], device="cuda"), do_sample=False,
                                  max_new_tokens=MAX_TOKENS, eos_token_id=None, pad_token_id=0)
             assert out[0, len(prompt):].tolist() == ours
+
+
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2,
+                              reason="tensor parallelism over NCCL needs a GPU a rank")
+
+
+@two_gpus
+@pytest.mark.parametrize("kwargs", [
+    dict(max_num_batched_tokens=16),
+    dict(max_num_batched_tokens=64, enable_prefix_caching=False),
+    dict(max_num_batched_tokens=32, num_kv_blocks=16, preemption_mode="recompute"),
+], ids=["budget16", "budget64", "recompute"])
+def test_two_gpus_give_one_gpus_tokens(tiny_dir, kwargs):
+    """-tp 2 on CUDA: a rank a GPU (cuda:0, cuda:1), the model's collectives over NCCL (the
+    tiny Llama: 4 query heads, 2 KV heads, one KV head a rank), eager decode steps."""
+    one, one_logprobs, _ = _run(tiny_dir, PROMPTS, **kwargs)
+    two, two_logprobs, llm = _run(tiny_dir, PROMPTS, tensor_parallel_size=2, **kwargs)
+    executor = llm.engine.executor
+    try:
+        assert two == one
+        for ours, theirs in zip(two_logprobs, one_logprobs):
+            assert ours == pytest.approx(theirs, abs=1e-4)  # float32 all-reduce rounding
+        assert executor.runner.model.device == torch.device("cuda", 0)
+        assert executor.group.tensor_pg is not executor.group.pg  # NCCL's, beside gloo's
+    finally:
+        llm.engine.close()
+    assert [w.exitcode for w in executor.workers] == [0]

@@ -1,6 +1,7 @@
 """Scheduler output → tensors → tokens. Owns the model, the paged KV tensors and the swap pool."""
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 
 import numpy as np
@@ -17,6 +18,8 @@ from chunkserve.model.attention.backend import KV_DTYPE_BY_NAME
 from chunkserve.model.batch import BatchLayout, BatchTensors, DeviceStager, PerLayer
 from chunkserve.model.fused_decode import FusedDecodeStack
 from chunkserve.model.models.interface import CausalLM
+
+logger = logging.getLogger(__name__)
 
 
 def kv_cache_dtype(model: CausalLM, name: str = "auto") -> torch.dtype:
@@ -149,6 +152,10 @@ class ModelRunner:
             return None
         if self._attention_kinds != [(0, None)]:
             return None  # the graphs are captured over one block table, without a window
+        if getattr(self.model, "tp_shard", None) is not None:  # set by tp_layers.parallelize
+            # NCCL's collectives inside a captured graph have not been run on GPUs here yet.
+            logger.info("CUDA graphs off under tensor parallelism: decode steps run eagerly")
+            return None
         max_len = max_model_len or self.model.rope.max_positions
         graphs = CUDAGraphRunner(
             self.model, self.kv_caches, self.stager, capture_sizes(max_num_seqs),

@@ -25,7 +25,13 @@ from chunkserve.engine.cpu_binding import bind_this_thread, rank_cores, threads
 from chunkserve.core.sched_output import SchedulerOutput
 from chunkserve.engine.executor import FatalExecutorError, RunnerOutput
 from chunkserve.engine.tp_group import TIMEOUT, Rendezvous, TPGroup
-from chunkserve.engine.tp_worker import first_line, load_rank, start_workers, stop_workers
+from chunkserve.engine.tp_worker import (
+    first_line,
+    load_rank,
+    start_workers,
+    stop_workers,
+    with_resolved_device,
+)
 
 __all__ = ["TensorParallelExecutor"]
 
@@ -42,13 +48,15 @@ class TensorParallelExecutor:
         local = range(world_size // pc.nnodes)  # this node's ranks: 0 here, then its workers
         cores = rank_cores(len(local))  # VLLM_CPU_OMP_THREADS_BIND, or an even split
         store = _host_store(pc, world_size)
-        rendezvous = Rendezvous(pc.master_addr, store.port, world_size)
+        rendezvous = Rendezvous(pc.master_addr, store.port, world_size, pc.nnodes)
         self.workers = start_workers(local[1:], rendezvous, cores[1:], len(local))
         self._failed = False
         try:
             self.group = _join(rendezvous, store, pc.nnodes)
             # Every worker takes the engine config from here: a headless node's own flags may
-            # differ, and every rank's KV pool must be the size of this one's.
+            # differ, and every rank's KV pool must be the size of this one's. Its device is
+            # resolved here, so that every rank's collectives are on the same backend.
+            config = with_resolved_device(config)
             self.group.broadcast_object(config)
             # Rank 0's cores, for the thread that builds the engine (and steps it: one OpenMP
             # pool, serve/compute_thread.py); close() gives them back to it.

@@ -3,6 +3,10 @@
 torch.distributed's default group is one per process; an engine's group is its own object
 instead (a `ProcessGroupGloo` on a `TCPStore`), so tests, sweeps and a data-parallel server may
 hold several engines in one process. Rank 0 lives in the engine's process and hosts the store.
+
+On CUDA the model's collectives (all-reduce, all-gather) run on a second group, NCCL's, on the
+same store (`use_device`), as vLLM keeps a gloo "CPU group" beside its device group: the
+scheduler's output, a Python object, still travels over gloo.
 """
 from __future__ import annotations
 
@@ -15,6 +19,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from chunkserve.engine.gpu_placement import rank_device
 
 # A collective that waits longer than this fails instead of hanging (a dead peer, a step
 # that never comes); generous, since one CPU step of a long prefill can take seconds.
@@ -32,6 +38,7 @@ class Rendezvous:
     host: str
     port: int
     world_size: int
+    nnodes: int = 1  # the ranks split evenly over the nodes, in order (config.ParallelConfig)
 
 
 class TPGroup:
@@ -44,6 +51,8 @@ class TPGroup:
         self.store = store
         self.rank = rank
         self.world_size = rendezvous.world_size
+        self.ranks_per_node = rendezvous.world_size // rendezvous.nnodes
+        self.local_rank = rank % self.ranks_per_node
         if os.environ.get("GLOO_SOCKET_IFNAME"):  # the user's interfaces (torch reads it)
             self.pg = dist.ProcessGroupGloo(store, rank, self.world_size, TIMEOUT)
         else:
@@ -52,6 +61,18 @@ class TPGroup:
                 hostname=route_address(rendezvous.host, rendezvous.port))]
             options._timeout = TIMEOUT
             self.pg = dist.ProcessGroupGloo(store, rank, self.world_size, options)
+        self.tensor_pg: Any = self.pg  # the model's collectives: NCCL's on CUDA (use_device)
+
+    def use_device(self, device: torch.device) -> torch.device:
+        """The device this rank computes on, its collectives set up over it: on CUDA, GPU
+        `local_rank` of its node and an NCCL group (every rank calls this together: the
+        group's rendezvous waits for all)."""
+        if device.type != "cuda":
+            return device
+        device = rank_device(self.local_rank, self.ranks_per_node, torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        self.tensor_pg = _nccl_group(self.store, self.rank, self.world_size)
+        return device
 
     @staticmethod
     def host_store(host: str, world_size: int, port: int = 0) -> dist.TCPStore:
@@ -82,14 +103,24 @@ class TPGroup:
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """In place: the sum over ranks (row-parallel layers' partial outputs)."""
-        self.pg.allreduce([t]).wait()
+        self.tensor_pg.allreduce([t]).wait()
         return t
 
     def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's `t` (the same shape on each), in rank order (the LM head's logits)."""
         out = [torch.empty_like(t) for _ in range(self.world_size)]
-        self.pg.allgather([out], [t]).wait()
+        self.tensor_pg.allgather([out], [t]).wait()
         return out
+
+
+def _nccl_group(store: dist.Store, rank: int, world_size: int) -> Any:
+    """NCCL's group for the ranks' CUDA tensors, under its own prefix of the store (gloo's
+    keys stay apart); its collectives fail after TIMEOUT rather than hang."""
+    if not dist.is_nccl_available():
+        raise ValueError("tensor parallelism on CUDA needs NCCL, which this torch build lacks")
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = TIMEOUT
+    return dist.ProcessGroupNCCL(dist.PrefixStore("nccl", store), rank, world_size, options)
 
 
 def route_address(host: str, port: int) -> str:

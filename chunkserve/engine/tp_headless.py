@@ -34,7 +34,8 @@ def run_headless(config: EngineConfig) -> int:
     stop = threading.Event()
     handlers = {sig: signal.signal(sig, lambda *_: stop.set())
                 for sig in (signal.SIGTERM, signal.SIGINT)}
-    rendezvous = Rendezvous(pc.master_addr, pc.master_port, pc.tensor_parallel_size)
+    rendezvous = Rendezvous(pc.master_addr, pc.master_port, pc.tensor_parallel_size,
+                            pc.nnodes)
     workers = start_workers(ranks, rendezvous, rank_cores(len(ranks)), len(ranks),
                             own_config=config)
     log.info("node %d of %d: tensor-parallel ranks %d-%d (pids %s), joining rank 0 at %s:%d",

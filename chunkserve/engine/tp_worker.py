@@ -14,7 +14,7 @@ import os
 import signal
 import sys
 import threading
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import NoReturn
 
 import torch
@@ -48,13 +48,22 @@ def load_rank(config: EngineConfig, group: TPGroup):  # type: ignore[no-untyped-
     """(the rank's LoadedModel, the config resolved against it, its ModelRunner). Every rank
     resolves the same config the same way, so their KV pools have the same number of blocks."""
     from chunkserve.engine.model_runner import ModelRunner
-    from chunkserve.model.factory import load_configured
+    from chunkserve.model.factory import load_configured, resolve_device
 
-    loaded = load_configured(config.model_config, group)
+    device = group.use_device(resolve_device(config.model_config.device))
+    loaded = load_configured(config.model_config, group, device)
     model = loaded.model
     resolved = config.resolve(loaded.max_model_len, device=model.device.type,
                               dtype=str(model.dtype).removeprefix("torch."))
     return loaded, resolved, ModelRunner.from_config(model, resolved)
+
+
+def with_resolved_device(config: EngineConfig) -> EngineConfig:
+    """`config` with its device `auto` made cpu or cuda, as this process sees it."""
+    from chunkserve.model.factory import resolve_device
+
+    device = resolve_device(config.model_config.device).type
+    return replace(config, model_config=replace(config.model_config, device=device))
 
 
 def start_workers(ranks: range, rendezvous: Rendezvous,

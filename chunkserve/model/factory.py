@@ -63,7 +63,9 @@ def cpu_has_avx512_bf16() -> bool:
         return False
 
 
-def resolve_device(name: str) -> torch.device:
+def resolve_device(name: str | torch.device) -> torch.device:
+    if isinstance(name, torch.device):  # already placed (a tensor-parallel rank's cuda:N)
+        return name
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
@@ -108,7 +110,7 @@ def load_model(
     name: str,
     dtype: str = "auto",
     max_model_len: int | None = None,
-    device: str = "auto",
+    device: str | torch.device = "auto",
     *,
     load_format: str = "auto",
     attention_backend: str = "auto",
@@ -181,8 +183,10 @@ def _format_name(linear: object) -> str:
     return f"{bits} on PyTorch's {type(kernel).__name__}"
 
 
-def load_configured(mc: ModelConfig, tp_group: Collectives | None = None) -> LoadedModel:
-    """The model an engine's ModelConfig names (the engine, and every tensor-parallel rank)."""
-    return load_model(mc.model, mc.dtype, mc.max_model_len, mc.device,
+def load_configured(mc: ModelConfig, tp_group: Collectives | None = None,
+                    device: torch.device | None = None) -> LoadedModel:
+    """The model an engine's ModelConfig names (the engine, and every tensor-parallel rank;
+    `device`: the rank's own, cuda:N on a node of several GPUs)."""
+    return load_model(mc.model, mc.dtype, mc.max_model_len, device or mc.device,
                       load_format=mc.load_format, attention_backend=mc.attention_backend,
                       seed=mc.seed, quantization=mc.quantization, tp_group=tp_group)

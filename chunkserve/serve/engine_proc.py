@@ -32,6 +32,7 @@ import torch.multiprocessing as mp
 
 from chunkserve.config import EngineConfig
 from chunkserve.engine.cpu_binding import ENV, explicit_lists, rank_cores
+from chunkserve.engine.gpu_placement import VISIBLE_ENV, engine_gpus
 from chunkserve.engine.parent_watch import exit_with_parent
 from chunkserve.engine.profiler import engine_profiler
 from chunkserve.serve.engine_client import (
@@ -56,6 +57,7 @@ class EngineSpec:
     cores: tuple[int, ...]  # the CPUs this engine (and its tensor-parallel workers) may use
     bind: str | None = None  # its ranks' VLLM_CPU_OMP_THREADS_BIND lists, when given
     profiler_dir: str | None = None  # where its /stop_profile traces go (None: off)
+    gpus: str | None = None  # its CUDA_VISIBLE_DEVICES on a GPU node (engine/gpu_placement.py)
 
 
 def split_cores(num_engines: int, tp: int = 1) -> list[tuple[tuple[int, ...], str | None]]:
@@ -85,6 +87,8 @@ def _engine_main(spec: EngineSpec, commands: CommandQueue, events: EventSink) ->
 
     from chunkserve.engine.llm_engine import LLMEngine
 
+    if spec.gpus is not None:  # before CUDA starts here; its tensor-parallel workers inherit it
+        os.environ[VISIBLE_ENV] = spec.gpus
     exit_with_parent()
     logging.basicConfig(level=logging.INFO,
                         format=f"%(levelname)s engine-{spec.index} %(name)s: %(message)s")
@@ -211,8 +215,23 @@ def engine_specs(config: EngineConfig, profiler_dir: str | None = None) -> list[
     pc = config.parallel_config
     one = replace(config, parallel_config=pc.one_engine())
     local = pc.node_engines
-    return [EngineSpec(one, i, cores, bind, profiler_dir) for i, (cores, bind)
-            in zip(local, split_cores(len(local), pc.tensor_parallel_size), strict=True)]
+    gpus = engine_gpu_lists(config, len(local))
+    return [EngineSpec(one, i, cores, bind, profiler_dir, g) for i, (cores, bind), g
+            in zip(local, split_cores(len(local), pc.tensor_parallel_size), gpus, strict=True)]
+
+
+def engine_gpu_lists(config: EngineConfig, num_engines: int) -> list[str | None]:
+    """Each of this node's engines' GPUs (a CUDA_VISIBLE_DEVICES value), where the model runs
+    on CUDA; None for each on the CPU."""
+    import torch
+
+    from chunkserve.model.factory import resolve_device
+
+    if resolve_device(config.model_config.device).type != "cuda":
+        return [None] * num_engines
+    tp, count = config.parallel_config.tensor_parallel_size, torch.cuda.device_count()
+    return [engine_gpus(i, tp, num_engines, count, os.environ.get(VISIBLE_ENV))
+            for i in range(num_engines)]
 
 
 def start_engines(config: EngineConfig, timeout: float = 600.0,
