@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from chunkserve.config import EngineConfig
-from chunkserve.engine.gpu_placement import engine_gpus, rank_device, tensor_backend
+from chunkserve.engine.gpu_placement import engine_gpus, rank_device
 from chunkserve.engine.tp_group import Rendezvous, TPGroup
 from chunkserve.serve import engine_proc
 
@@ -33,11 +33,6 @@ def test_each_rank_its_own_gpu() -> None:
     with pytest.raises(ValueError, match="2 tensor-parallel ranks on this node need a GPU each "
                                          r"\(NCCL\), and torch sees 1"):
         rank_device(0, 2, 1)
-
-
-def test_tensor_backend_by_device() -> None:
-    assert tensor_backend(torch.device("cuda", 0)) == "nccl"
-    assert tensor_backend(torch.device("cpu")) == "gloo"
 
 
 @pytest.mark.parametrize("nnodes, local_ranks", [(1, (0, 1)), (2, (0, 0))])

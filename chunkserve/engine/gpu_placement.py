@@ -33,8 +33,3 @@ def rank_device(local_rank: int, ranks_on_node: int, device_count: int) -> torch
                          f"each (NCCL), and torch sees {device_count}")
     return torch.device("cuda", local_rank)
 
-
-def tensor_backend(device: torch.device) -> str:
-    """torch.distributed's backend for a rank's tensors on `device` (the scheduler's output
-    always travels over gloo: a CPU object)."""
-    return "nccl" if device.type == "cuda" else "gloo"
