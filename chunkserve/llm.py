@@ -5,7 +5,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from chunkserve.engine.llm_engine import LLMEngine
+from chunkserve.engine.llm_engine import LLMEngine, StepError
 from chunkserve.model.factory import LoadedModel
 from chunkserve.outputs import RequestOutput
 from chunkserve.sampling_params import RequestOutputKind, SamplingParams
@@ -37,7 +37,9 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
-        """Runs all prompts to completion together (continuous batching) in input order."""
+        """Runs all prompts to completion together (continuous batching) in input order. A
+        request that failed on its own comes back finished with finish_reason "error" and its
+        `error` set; the others are unaffected."""
         if isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
@@ -62,7 +64,11 @@ class LLM:
         results: dict[str, RequestOutput] = {}
         progress = _progress(len(ids)) if use_tqdm else None
         while self.engine.has_unfinished_requests():
-            for out in self.engine.step().outputs:
+            try:
+                outputs = self.engine.step().outputs
+            except StepError as e:  # the step's requests end with the error; the rest go on
+                outputs = self.engine.fail_step(e)
+            for out in outputs:
                 if out.finished:
                     results[out.request_id] = out
                     if progress is not None:

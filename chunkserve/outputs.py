@@ -51,12 +51,24 @@ class RequestMetrics:
         return self.first_scheduled_time - self.arrival_time
 
 
+@dataclass(frozen=True)
+class RequestError:
+    """Why one request failed on its own while its step ran: its row of the logits could not be
+    sampled, its grammar could not advance, its detokenizer raised. That request ends with
+    finish_reason "error"; every other request of the step goes on."""
+
+    message: str
+    # True when the request's own input caused it (the server answers 400), else an internal
+    # error of this request (500).
+    client_error: bool = False
+
+
 @dataclass
 class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None: running
     stop_reason: int | str | None = None  # the stop token id or stop string that matched
     # Per output token: [(sampled token, logprob), *top (token, logprob)]; None unless asked.
     logprobs: list[list[tuple[int, float]]] | None = None
@@ -84,3 +96,5 @@ class RequestOutput:
     # for the first (nothing predicts it), then [(prompt token, logprob), *top (token, logprob)]
     # as CompletionOutput.logprobs; complete on every output from the first token on. Else None.
     prompt_logprobs: list[list[tuple[int, float]] | None] | None = None
+    # Set on the final output of a request that failed alone (finish_reason "error").
+    error: RequestError | None = None

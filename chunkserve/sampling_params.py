@@ -12,6 +12,18 @@ from dataclasses import dataclass, field
 # the whole engine step ("Overflow when unpacking long long"). vLLM bounds `seed` the same way.
 INT64_MIN = -(1 << 63)
 INT64_MAX = (1 << 63) - 1
+# Bounds tighter than vLLM's (which only asks temperature >= 0 and repetition_penalty > 0):
+# within them a bf16/fp32 logit stays finite through every sampling rule. A denormal
+# repetition_penalty is not a penalty; it divided logits into inf and, before the sampler
+# guarded itself, failed every request of its step.
+MAX_TEMPERATURE = 100.0
+MIN_REPETITION_PENALTY = 0.01
+MAX_REPETITION_PENALTY = 100.0
+# What one request may ask the detokenizer to watch for on every token (OpenAI allows 4 stop
+# strings; vLLM sets no limit).
+MAX_STOP_STRINGS = 256
+MAX_STOP_LENGTH = 4096
+MAX_STOP_TOKEN_IDS = 1024
 
 
 class RequestOutputKind(enum.Enum):
@@ -102,59 +114,64 @@ class SamplingParams:
         return self.temperature < 1e-5
 
     def _verify(self) -> None:
+        """Every numeric field in its range, checked before the request is queued: a value
+        out of range is a ValueError naming the field and the range (the server's 400). Each
+        range is vLLM's or tighter, so that no value can turn the sampler's logits into
+        inf/NaN (repetition_penalty=1e-320 divided them into inf, for one)."""
+        self._verify_lengths()
+        _check_range("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
+        _check_range("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        if not _is_int(self.top_k) or not 0 <= self.top_k <= INT64_MAX:
+            raise ValueError(
+                f"top_k must be -1 (disable), 0 (disable) or at least 1 (and at most {INT64_MAX}), "
+                f"got {self.top_k}."
+            )
+        _check_range("min_p", self.min_p, 0.0, 1.0)
+        self._verify_penalties()
+        if self.seed is not None and (
+            not _is_int(self.seed) or not INT64_MIN <= self.seed <= INT64_MAX
+        ):
+            raise ValueError(
+                f"seed must be an integer in [{INT64_MIN}, {INT64_MAX}], got {self.seed!r}."
+            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= INT64_MAX):
+                raise ValueError(f"{name} must be a non-negative integer, got {value!r}.")
+        self._verify_stops()
+
+    def _verify_lengths(self) -> None:
         if self.max_tokens is not None and (
-            not isinstance(self.max_tokens, int) or self.max_tokens < 1
+            not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= INT64_MAX
         ):
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}.")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= INT64_MAX:
             raise ValueError(f"min_tokens must be greater than or equal to 0, got {self.min_tokens}.")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, "
                 f"got {self.min_tokens}."
             )
-        if not self.temperature >= 0.0:  # also rejects NaN
-            raise ValueError(f"temperature must be non-negative, got {self.temperature}.")
-        if math.isinf(self.temperature):  # logits / inf turns a masked -inf into NaN
-            raise ValueError(f"temperature must be finite, got {self.temperature}.")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
-        if not isinstance(self.top_k, int) or not 0 <= self.top_k <= INT64_MAX:
-            raise ValueError(
-                f"top_k must be -1 (disable), 0 (disable) or at least 1 (and at most {INT64_MAX}), "
-                f"got {self.top_k}."
-            )
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
-        self._verify_penalties()
-        if self.seed is not None and (
-            not isinstance(self.seed, int) or not INT64_MIN <= self.seed <= INT64_MAX
-        ):
-            raise ValueError(
-                f"seed must be an integer in [{INT64_MIN}, {INT64_MAX}], got {self.seed!r}."
-            )
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
-            raise ValueError(f"logprobs must be non-negative, got {self.logprobs}.")
-        if self.prompt_logprobs is not None and (
-            not isinstance(self.prompt_logprobs, int) or isinstance(self.prompt_logprobs, bool)
-            or self.prompt_logprobs < 0
-        ):
-            raise ValueError(
-                f"prompt_logprobs must be a non-negative integer, got {self.prompt_logprobs!r}."
-            )
-        if any(not isinstance(s, str) or s == "" for s in self.stop_strings):
-            raise ValueError("stop strings must be non-empty strings.")
-        if any(not isinstance(t, int) or not 0 <= t <= INT64_MAX for t in self.stop_token_ids):
+
+    def _verify_stops(self) -> None:
+        if len(self.stop_strings) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop takes at most {MAX_STOP_STRINGS} strings, got "
+                             f"{len(self.stop_strings)}.")
+        if any(not isinstance(s, str) or not 1 <= len(s) <= MAX_STOP_LENGTH
+               for s in self.stop_strings):
+            raise ValueError(f"stop strings must be non-empty strings of at most "
+                             f"{MAX_STOP_LENGTH} characters.")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids, got "
+                             f"{len(self.stop_token_ids)}.")
+        if any(not _is_int(t) or not 0 <= t <= INT64_MAX for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be integers in [0, {INT64_MAX}].")
 
     def _verify_penalties(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            if not _is_number(value) or not -2.0 <= value <= 2.0:  # also rejects NaN
-                raise ValueError(f"{name} must be in [-2, 2], got {value}.")
-        rp = self.repetition_penalty
-        if not _is_number(rp) or not 0.0 < rp < math.inf:
-            raise ValueError(f"repetition_penalty must be greater than zero and finite, got {rp}.")
+            _check_range(name, getattr(self, name), -2.0, 2.0)
+        _check_range("repetition_penalty", self.repetition_penalty, MIN_REPETITION_PENALTY,
+                     MAX_REPETITION_PENALTY)
 
     @property
     def has_penalties(self) -> bool:
@@ -165,6 +182,24 @@ class SamplingParams:
 
 def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_range(name: str, value: object, low: float, high: float,
+                 low_open: bool = False) -> None:
+    """A ValueError naming `name` and the range unless `value` is a number in [low, high]
+    ((low, high] with `low_open`); NaN is in no range."""
+    try:
+        number = float(value) if _is_number(value) else math.nan  # type: ignore[arg-type]
+    except OverflowError:  # an int past float's range
+        number = math.nan
+    ok = (low < number if low_open else low <= number) and number <= high
+    if not ok:
+        bracket = "(" if low_open else "["
+        raise ValueError(f"{name} must be in {bracket}{low:g}, {high:g}], got {value!r}.")
 
 
 def _normalize_logit_bias(bias: object) -> dict[int, float] | None:

@@ -181,10 +181,13 @@ def test_ids_outside_the_logits_are_ignored_not_fatal() -> None:
         (dict(presence_penalty=math.nan), "presence_penalty must be in [-2, 2]"),
         (dict(frequency_penalty=2.01), "frequency_penalty must be in [-2, 2]"),
         (dict(frequency_penalty="1"), "frequency_penalty must be in [-2, 2]"),
-        (dict(repetition_penalty=0.0), "repetition_penalty must be greater than zero"),
-        (dict(repetition_penalty=-1.0), "repetition_penalty must be greater than zero"),
-        (dict(repetition_penalty=math.inf), "repetition_penalty must be greater than zero"),
-        (dict(repetition_penalty=math.nan), "repetition_penalty must be greater than zero"),
+        (dict(repetition_penalty=0.0), "repetition_penalty must be in [0.01, 100]"),
+        (dict(repetition_penalty=-1.0), "repetition_penalty must be in [0.01, 100]"),
+        (dict(repetition_penalty=math.inf), "repetition_penalty must be in [0.01, 100]"),
+        (dict(repetition_penalty=math.nan), "repetition_penalty must be in [0.01, 100]"),
+        (dict(repetition_penalty=1e-320), "repetition_penalty must be in [0.01, 100]"),
+        (dict(repetition_penalty=0.0099), "repetition_penalty must be in [0.01, 100]"),
+        (dict(repetition_penalty=100.01), "repetition_penalty must be in [0.01, 100]"),
         (dict(logit_bias={-1: 1.0}), "logit_bias keys must be token ids"),
         (dict(logit_bias={"abc": 1.0}), "logit_bias keys must be token ids"),
         (dict(logit_bias={True: 1.0}), "logit_bias keys must be token ids"),
@@ -207,7 +210,7 @@ def test_defaults_and_clamping() -> None:
         0.0, 0.0, 1.0, None)
     assert not p.has_penalties
     for edge in (dict(presence_penalty=-2), dict(frequency_penalty=2.0),
-                 dict(repetition_penalty=1e-3)):
+                 dict(repetition_penalty=0.01), dict(repetition_penalty=100)):
         assert SamplingParams(**edge).has_penalties  # type: ignore[arg-type]
     # vLLM's OpenAI layer clamps to [-100, 100]; JSON object keys arrive as strings.
     p = SamplingParams(logit_bias={5: 500.0, "7": -1e9, 9: 3})

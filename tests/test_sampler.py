@@ -176,7 +176,7 @@ def test_inverse_cdf_draws_each_token_with_its_probability(vocab: int) -> None:
     counts = torch.zeros(vocab, dtype=torch.float64)
     for _ in range(n // batch):
         u = torch.rand(batch, dtype=torch.float64, generator=g)
-        counts += torch.bincount(inverse_cdf(p.expand(batch, vocab), u), minlength=vocab)
+        counts += torch.bincount(inverse_cdf(p.expand(batch, vocab), u)[0], minlength=vocab)
     freq, q = counts / n, p.double()
     assert freq.shape == (vocab,)
     assert float(freq[q == 0].sum()) == 0.0
@@ -195,6 +195,6 @@ def test_inverse_cdf_never_draws_a_token_of_probability_zero(seed: int, vocab: i
     p = torch.rand(len(u), vocab, generator=g)
     p = p * (torch.rand(len(u), vocab, generator=g) < 0.3)  # most tokens cut (a top-k/top-p)
     p[:, torch.randint(vocab, (1,), generator=g)] = 1e-30  # and a tiny one kept
-    tokens = inverse_cdf(p / p.sum(-1, keepdim=True), torch.tensor(u, dtype=torch.float64))
+    tokens, _ = inverse_cdf(p / p.sum(-1, keepdim=True), torch.tensor(u, dtype=torch.float64))
     assert bool(((tokens >= 0) & (tokens < vocab)).all())
     assert bool((p[torch.arange(len(u)), tokens] > 0).all())

@@ -335,6 +335,25 @@ class KVCacheManager:
         # re-share blocks that are already computed, which is harmless but not "reset".
         return self.pool.reset_cache()
 
+    def check_consistency(self, live_requests: set[str]) -> list[str]:
+        """What does not add up, if anything: tables only of live requests, each block's
+        reference count equal to the tables holding it, and every block either held or free."""
+        problems = [f"{rid} holds blocks but is gone" for rid in self.tables.keys() - live_requests]
+        held = [0] * self.num_blocks
+        for tables in self.tables.values():
+            for table in tables:
+                for block in table:
+                    if block != NULL_BLOCK:
+                        held[block] += 1
+        pool = self.pool
+        wrong = [b for b in range(self.num_blocks) if held[b] != pool.ref_cnt[b]]
+        problems += [f"block {b}: {pool.ref_cnt[b]} references, {held[b]} tables"
+                     for b in wrong[:3]]
+        num_held = sum(1 for n in held if n)
+        if num_held + pool.num_free != self.num_blocks:
+            problems.append(f"{num_held} blocks held + {pool.num_free} free != {self.num_blocks}")
+        return problems
+
     def stats(self) -> KVCacheStats:
         used = self.num_blocks - self.pool.num_free
         # Per request and group, the unused slots of its table: shared blocks and holes are

@@ -18,6 +18,9 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"  # EOS, stop token or stop string
     FINISHED_LENGTH = "length"  # max_tokens or max_model_len
     FINISHED_ABORTED = "abort"
+    # This request alone failed in a step that ran (vLLM's FinishReason.ERROR): its own row's
+    # logits or grammar, its detokenizer; the step's other requests go on.
+    FINISHED_ERROR = "error"
 
     @property
     def finished(self) -> bool:
@@ -32,6 +35,7 @@ _FINISHED = {
     RequestStatus.FINISHED_STOPPED,
     RequestStatus.FINISHED_LENGTH,
     RequestStatus.FINISHED_ABORTED,
+    RequestStatus.FINISHED_ERROR,
 }
 
 

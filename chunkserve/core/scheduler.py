@@ -100,6 +100,20 @@ class Scheduler:
         """Forgets every cached prefix (POST /reset_prefix_cache); see KVCacheManager."""
         return self.kv.reset_prefix_cache()
 
+    def check_consistency(self) -> None:
+        """Raises RuntimeError unless the queues and the KV pool add up: every queued request
+        known, unfinished and in one queue only, and the pool's books (KVCacheManager's).
+        Run after a failed step, before the next one."""
+        queued = [r.request_id for r in (*self.waiting, *self.running)]
+        problems = [f"{rid} queued twice" for rid in set(queued) if queued.count(rid) > 1]
+        problems += [f"{r.request_id} queued but {r.status.name}"
+                     for r in (*self.waiting, *self.running)
+                     if r.status.finished or self.requests.get(r.request_id) is not r]
+        problems += [f"{rid} known but in no queue" for rid in self.requests.keys() - set(queued)]
+        problems += self.kv.check_consistency(set(self.requests))
+        if problems:
+            raise RuntimeError("the scheduler's state is inconsistent: " + "; ".join(problems[:5]))
+
     def _release(self, req: Request) -> None:
         self.kv.free(req.request_id)
         self.swap.free(req.request_id)

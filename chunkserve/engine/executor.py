@@ -11,6 +11,7 @@ from typing import Protocol
 
 from chunkserve.core.kv_groups import KVCacheGroups
 from chunkserve.core.sched_output import SchedulerOutput
+from chunkserve.outputs import RequestError
 
 
 @dataclass
@@ -26,6 +27,9 @@ class RunnerOutput:
     # Seconds the sampler spent applying grammar masks to the logits (0 without any): the
     # engine adds it to its own mask-filling time in the step's record.
     grammar_time: float = 0.0
+    # request id -> why its row failed while the step ran (engine/sampler.py): it has no token
+    # in `sampled`, and the engine ends it alone with this error.
+    failed: dict[str, RequestError] = field(default_factory=dict)
 
 
 class FatalExecutorError(RuntimeError):

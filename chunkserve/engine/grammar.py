@@ -66,19 +66,28 @@ class GrammarCompiler:
             raise ValueError(f"The structured output's grammar is invalid: {m.get_error()}")
         return m
 
-    def fill(self, matchers: list[Matcher]) -> np.ndarray:
+    def fill(self, matchers: list[Matcher]) -> tuple[np.ndarray, dict[int, str]]:
         """int32 [len(matchers), ceil(vocab / 32)]: bit t of row i set where matcher i allows
-        token t next."""
+        token t next; and the rows whose matcher could not fill one (row -> why), which the
+        engine fails alone."""
         mask = lgnp.allocate_token_bitmask(len(matchers), self.vocab_size)
+        failed: dict[int, str] = {}
         for i, m in enumerate(matchers):
-            lgnp.fill_next_token_bitmask(m, mask, i)
-        return mask
+            try:
+                if m.is_error():
+                    raise RuntimeError(m.get_error())
+                lgnp.fill_next_token_bitmask(m, mask, i)
+            except Exception as e:  # noqa: BLE001 - this request's grammar alone
+                failed[i] = f"its structured output's grammar cannot go on: {e}"
+        return mask, failed
 
 
 def advance(matcher: Matcher, token: int) -> bool:
-    """Feeds the sampled token; True once the grammar is complete (the request should stop)."""
-    if not matcher.is_stopped():
-        matcher.consume_token(token)
+    """Feeds the sampled token; True once the grammar is complete (the request should stop).
+    A RuntimeError when the grammar refuses it (only a mask that let it through could)."""
+    if not matcher.is_stopped() and not matcher.consume_token(token):
+        raise RuntimeError(f"its structured output's grammar refused token {token}: "
+                           f"{matcher.get_error()}")
     return bool(matcher.is_stopped())
 
 

@@ -19,11 +19,11 @@ from chunkserve.core.request import Request, RequestStatus
 from chunkserve.core.sched_output import ScheduledRequest, SchedulerOutput
 from chunkserve.core.scheduler import Scheduler
 from chunkserve.engine.detokenizer import IncrementalDetokenizer
-from chunkserve.engine.executor import Executor
+from chunkserve.engine.executor import Executor, FatalExecutorError
 from chunkserve.engine.processor import EngineRequest, Processor
 from chunkserve.engine.trace import StepRecord, step_record
 from chunkserve.engine.trace_writer import StepTrace
-from chunkserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from chunkserve.outputs import CompletionOutput, RequestError, RequestMetrics, RequestOutput
 from chunkserve.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
@@ -232,10 +232,13 @@ class LLMEngine:
 
     # ---- the step ----------------------------------------------------------------------------
     def step(self) -> StepResult:
+        """One step. A failure of one request's own (its row of the logits, its grammar, its
+        detokenizer) ends that request alone, with a final output whose `error` says why; only
+        a failure of the step itself raises StepError, naming every request it ran."""
         start = self.clock()
         out = self.scheduler.schedule()
         try:
-            fill_time = self._fill_grammar_masks(out)
+            fill_time, failed = self._fill_grammar_masks(out)
             for sr in out.scheduled:
                 if not sr.is_decode:  # a decode was scheduled before, by definition
                     self._states[sr.request.request_id].metrics.on_scheduled(start)
@@ -245,12 +248,11 @@ class LLMEngine:
                 prompt_state = self._states.get(rid)
                 if prompt_state is not None and prompt_state.prompt_logprobs is not None:
                     prompt_state.prompt_logprobs[first : first + len(entries)] = entries
-            updated = self.scheduler.update_from_output(out, result.sampled)
-            outputs = []
-            for req in updated:
-                output = self._process(req, now, result.logprobs.get(req.request_id))
-                if output is not None:
-                    outputs.append(output)
+            failed.update(result.failed)
+            sampled = ({rid: t for rid, t in result.sampled.items() if rid not in failed}
+                       if failed else result.sampled)
+            updated = self.scheduler.update_from_output(out, sampled)
+            outputs = self._process_all(updated, now, result.logprobs, failed)
         except Exception as e:
             # Blocks indexed for this step's tokens may never have received their KV: forget
             # every cached prefix rather than serve one that was never written.
@@ -270,27 +272,87 @@ class LLMEngine:
         self._step_count += 1
         return StepResult(outputs, record, out.scheduled)
 
-    def _fill_grammar_masks(self, out: SchedulerOutput) -> float:
+    def _process_all(self, updated: list[Request], now: float,
+                     logprobs: dict[str, list[tuple[int, float]]],
+                     failed: dict[str, RequestError]) -> list[RequestOutput]:
+        """The step's outputs: each updated request's, then a final error output for each that
+        failed alone (in the executor, or here while its token was processed)."""
+        outputs = []
+        for req in updated:
+            try:
+                output = self._process(req, now, logprobs.get(req.request_id))
+            except Exception as e:  # noqa: BLE001 - this request's detokenizer or grammar
+                logger.exception("processing request %s's token failed", req.request_id)
+                failed[req.request_id] = RequestError(f"processing its output failed: {e!r}")
+                continue
+            if output is not None:
+                outputs.append(output)
+        for rid, error in failed.items():
+            output = self._fail_request(rid, error, now)
+            if output is not None:
+                outputs.append(output)
+        return outputs
+
+    def _fail_request(self, request_id: str, error: RequestError, now: float
+                      ) -> RequestOutput | None:
+        """Ends one request alone (finish_reason "error"); its final output, whose error names
+        it. None if it is gone already."""
+        state = self._states.pop(request_id, None)
+        if state is None:
+            return None
+        req = state.request
+        self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_ERROR)
+        req.status = RequestStatus.FINISHED_ERROR  # also when its last token had finished it
+        self._finished.append(request_id)
+        state.metrics.finished_time = now
+        logger.warning("request %s failed alone: %s", request_id, error.message)
+        completion = CompletionOutput(index=0, text="", token_ids=list(req.output_token_ids),
+                                      finish_reason=req.status.finish_reason)
+        return RequestOutput(request_id, state.prompt, req.prompt_token_ids, [completion], True,
+                             state.metrics,
+                             error=RequestError(f"request {request_id}: {error.message}",
+                                                error.client_error))
+
+    def fail_step(self, error: StepError) -> list[RequestOutput]:
+        """After a StepError: ends the step's requests (their final outputs, with the error),
+        then checks that the scheduler and the KV pool still add up, so that the next step
+        does not run on broken books (a RuntimeError when they do not: the engine must not go
+        on). The engine's other requests go on. Re-raises `error` when its cause is a
+        FatalExecutorError: no step can run any more."""
+        cause = error.__cause__ or error
+        if isinstance(cause, FatalExecutorError):
+            raise error
+        why = RequestError(f"the engine step it was in failed: {cause!r}")
+        now = self.clock()
+        outputs = [self._fail_request(rid, why, now) for rid in error.request_ids]
+        self.scheduler.check_consistency()
+        return [out for out in outputs if out is not None]
+
+    def _fill_grammar_masks(self, out: SchedulerOutput) -> tuple[float, dict[str, RequestError]]:
         """The token masks of this step's structured rows that sample (only those: a prefill
         chunk that does not catch up costs nothing); returns the seconds the fill took, for
-        the step's record (0, and nothing timed, when no row has a grammar)."""
+        the step's record (0, and nothing timed, when no row has a grammar), and the requests
+        whose grammar could not fill a mask (they fail alone)."""
         if not self.processor.has_grammars:
-            return 0.0
+            return 0.0, {}
         rows = [(sr.request.request_id, self._states[sr.request.request_id].matcher)
                 for sr in out.scheduled if sr.samples]
         rows = [(rid, m) for rid, m in rows if m is not None]
         if not rows:
-            return 0.0
+            return 0.0, {}
         fill_start = time.perf_counter()  # not self.clock: a simulated clock stands still
-        mask = self.processor.grammars().fill([m for _, m in rows])
+        mask, bad = self.processor.grammars().fill([m for _, m in rows])
         out.grammar_bitmask = {rid: mask[i] for i, (rid, _) in enumerate(rows)}
-        return time.perf_counter() - fill_start
+        failed = {rows[i][0]: RequestError(why, client_error=True) for i, why in bad.items()}
+        return time.perf_counter() - fill_start, failed
 
     def _process(
         self, req: Request, now: float, logprobs: list[tuple[int, float]] | None
     ) -> RequestOutput | None:
         """Records the request's new token; its output, unless it asked for the final one
-        only and is not finished (building an output per token is most of a simulated step)."""
+        only and is not finished (building an output per token is most of a simulated step).
+        The request's state is dropped only once its output is built: an error on the way
+        leaves it for _fail_request."""
         state = self._states[req.request_id]
         if logprobs is not None:
             state.logprobs.append(logprobs)
@@ -312,11 +374,7 @@ class LLMEngine:
                 self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
         finished = req.status.finished
         m.num_preemptions = req.num_preemptions
-        if finished:
-            m.finished_time = now
-            del self._states[req.request_id]
-            self._finished.append(req.request_id)
-        elif req.sampling_params.output_kind is RequestOutputKind.FINAL_ONLY:
+        if not finished and req.sampling_params.output_kind is RequestOutputKind.FINAL_ONLY:
             return None
         completion = CompletionOutput(
             index=0,
@@ -327,6 +385,10 @@ class LLMEngine:
             logprobs=list(state.logprobs) if req.sampling_params.logprobs is not None else None,
             delta_text=detok.get_next_delta(finished) if detok is not None else "",
         )
+        if finished:
+            m.finished_time = now
+            del self._states[req.request_id]
+            self._finished.append(req.request_id)
         return RequestOutput(
             req.request_id, state.prompt, req.prompt_token_ids, [completion], finished, m,
             num_cached_tokens=max(0, req.num_cached_tokens),

@@ -187,8 +187,10 @@ class ModelRunner:
         logprobs = {}
         if result.logprobs is not None:
             logprobs = {rid: lp for rid, lp in zip(ids, result.logprobs) if lp}
-        return RunnerOutput(dict(zip(ids, result.token_ids)), logprobs, prompt_logprobs,
-                            result.grammar_time)
+        failed = {ids[i]: error for i, error in result.failed.items()}
+        sampled = {rid: t for i, (rid, t) in enumerate(zip(ids, result.token_ids))
+                   if i not in result.failed}
+        return RunnerOutput(sampled, logprobs, prompt_logprobs, result.grammar_time, failed)
 
     # Rows of full-vocab logits computed at once for prompt logprobs: bounds a long chunk's memory.
     PROMPT_LOGPROBS_ROWS = 512

@@ -230,6 +230,9 @@ class AsyncEngine:
                     finished = True
                     raise item
                 finished = item.finished
+                if item.error is not None:  # this request failed alone (LLMEngine.step)
+                    raise RequestFailedError(item.error.message,
+                                             400 if item.error.client_error else 500)
                 yield item
         finally:
             self._sinks.pop(request_id, None)

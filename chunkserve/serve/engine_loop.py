@@ -34,7 +34,16 @@ class EngineDeadError(RuntimeError):
 
 
 class RequestFailedError(RuntimeError):
-    """The engine failed while running this request; the engine itself carries on."""
+    """The engine failed while running this request; the engine itself carries on. `status`:
+    400 where the request's own input caused it, else 500."""
+
+    def __init__(self, message: str, status: int = 500) -> None:
+        super().__init__(message)
+        self.status = status
+
+    def __reduce__(self) -> tuple[type, tuple[str, int]]:
+        # Crosses the data-parallel engines' queues: both arguments, not only the message.
+        return type(self), (str(self), self.status)
 
 
 class ShuttingDownError(EngineDeadError):
@@ -219,17 +228,13 @@ class EngineLoop:
             with step_scope:
                 result = self.engine.step()
         except StepError as e:
-            cause = e.__cause__ or e
-            if isinstance(cause, FatalExecutorError):
-                raise  # no step can run any more: the loop dies (run's handler)
             # Contain a failure to the requests of the failed step: fail and drop them, keep
-            # serving the rest. (The scheduler already counted their tokens as computed.)
+            # serving the rest. fail_step raises when no step can run any more (a dead
+            # executor) or the engine is unsound: then the loop dies (run's handler).
             log.exception("engine step failed")
-            self.engine.abort_request(e.request_ids)
-            for rid in e.request_ids:
-                self._num_tokens.pop(rid, None)
-                ev.outputs.append((rid, RequestFailedError(
-                    f"internal error while generating: {cause!r}"), 0))
+            for out in self.engine.fail_step(e):
+                self._num_tokens.pop(out.request_id, None)
+                ev.outputs.append((out.request_id, out, 0))
             return
         ev.record = result.record
         for out in result.outputs:

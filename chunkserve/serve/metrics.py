@@ -45,7 +45,8 @@ STEP_DURATION_BUCKETS: list[float] = [
     2.5, 5.0, 10.0, 30.0, 60.0,
 ]
 
-FINISHED_REASONS: tuple[str, ...] = ("stop", "length", "abort")
+# "error": a request that failed alone (vLLM's FinishReason.ERROR).
+FINISHED_REASONS: tuple[str, ...] = ("stop", "length", "abort", "error")
 # vllm:num_requests_rejected_total{reason}: 503s from admission (the waiting cap is full, the
 # server is shutting down, the engine is not running), 400s for a request bigger than the cap
 # could ever hold, and connections refused at the HTTP layer's connection cap.

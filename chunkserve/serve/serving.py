@@ -17,7 +17,12 @@ from chunkserve.tokenizer.tokenizer import Tokenizer
 from chunkserve.outputs import RequestOutput
 from chunkserve.sampling_params import INT64_MIN, SamplingParams
 from chunkserve.serve.admission import Admission, ClientGone, Refused
-from chunkserve.serve.async_engine import AsyncEngine, ShuttingDownError, Ticket
+from chunkserve.serve.async_engine import (
+    AsyncEngine,
+    RequestFailedError,
+    ShuttingDownError,
+    Ticket,
+)
 from chunkserve.serve.chat_prompt import render_chat_prompt
 from chunkserve.serve.prompt_bound import TokenCountBound
 from chunkserve.serve.protocol import MAX_SEQUENCES
@@ -222,6 +227,8 @@ class Serving:
                     raise ApiError(503, "The server is shutting down; the request was aborted "
                                    "at the end of its grace period.",
                                    "ServiceUnavailableError") from item
+                elif isinstance(item, RequestFailedError) and item.status == 400:
+                    raise ApiError(400, str(item)) from item
                 elif isinstance(item, BaseException):
                     raise ApiError(500, str(item), "InternalServerError") from item
                 else:

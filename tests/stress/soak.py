@@ -1,9 +1,13 @@
 """Phase (d): the soak. First the server's capacity for this request mix (requests/s with the
 engine kept full), then a steady open-loop load at a fraction of it for N minutes, sampling the
-server's RSS. Every request must succeed; RSS must stop growing once warmed up."""
+server's RSS. One in twenty of the soak's arrivals are issue 51's sampling fuzz (stress/sampling_fuzz.py:
+parameters at and past their bounds), which run in the same steps as the rest. Every well-formed
+request must succeed, every ill-formed one get a 4xx naming its field; RSS must stop growing
+once warmed up."""
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import time
 from typing import Any
@@ -11,11 +15,15 @@ from typing import Any
 import httpx
 
 from stress.report import PhaseResult
+from stress.sampling_fuzz import expected_bad, is_refusal_naming, random_fields
 from stress.sse import is_error_event
 from stress.target import Target
 
 RSS_SAMPLE_S = 10.0
 MAX_GROWTH = 0.05  # the issue's target: <= 5% RSS growth after the warm-up
+# Of the soak's arrivals: sampling parameters at and past their bounds. Capacity is measured on
+# the mix alone: a closed loop counts the fuzz's instant 400s as throughput.
+FUZZ_FRACTION = 0.05
 
 
 def mixed_request(rng: random.Random, i: int) -> tuple[str, dict[str, Any]]:
@@ -42,9 +50,22 @@ def mixed_request(rng: random.Random, i: int) -> tuple[str, dict[str, Any]]:
     return "/v1/completions", body
 
 
+def soak_request(rng: random.Random, i: int) -> tuple[str, dict[str, Any], set[str] | None]:
+    """The mix, or (one arrival in twenty) a fuzzed sampling body; with the fields a fuzzed body
+    got wrong (None for the mix's own requests)."""
+    if rng.random() >= FUZZ_FRACTION:
+        return (*mixed_request(rng, i), None)
+    body = {"prompt": f"Request {i}. A note on", "max_tokens": 2, "stream": False,
+            **random_fields(rng)}
+    return "/v1/completions", body, expected_bad(body)
+
+
 async def _send(client: httpx.AsyncClient, path: str, body: dict[str, Any],
-                result: PhaseResult) -> bool:
-    """One request; False (and recorded) unless it completed."""
+                result: PhaseResult, bad: set[str] | None = None) -> bool:
+    """One request; False (and recorded) unless it completed, or (`bad`: the fields a fuzzed
+    body got wrong) was refused naming one of them."""
+    if bad:
+        return await _send_refused(client, path, body, result, bad)
     try:
         if body["stream"]:
             async with client.stream("POST", path, json=body) as r:
@@ -62,6 +83,24 @@ async def _send(client: httpx.AsyncClient, path: str, body: dict[str, Any],
     result.record(status)
     if not ok:
         result.fail(f"{path} {body}: status {status}, incomplete or error")
+    return ok
+
+
+async def _send_refused(client: httpx.AsyncClient, path: str, body: dict[str, Any],
+                        result: PhaseResult, bad: set[str]) -> bool:
+    try:
+        r = await client.post(path, content=json.dumps(body).encode(),  # NaN stays NaN
+                              headers={"Content-Type": "application/json"})
+    except httpx.TransportError as e:
+        result.requests += 1
+        result.resets += 1
+        result.fail(f"{path}: {type(e).__name__}: {e}")
+        return False
+    result.record(r.status_code)
+    error = r.json().get("error", {}) if r.status_code != 200 else {}
+    ok = is_refusal_naming(r.status_code, error, bad)
+    if not ok:
+        result.fail(f"{path} {body}: status {r.status_code}, not a 4xx naming {sorted(bad)}")
     return ok
 
 
@@ -109,7 +148,8 @@ def run_soak(target: Target, minutes: float, load: float, calibrate_s: float, co
                 if now >= next_sample:
                     samples.append((now - start, target.rss_mb()))
                     next_sample += RSS_SAMPLE_S
-                task = asyncio.create_task(_send(c, *mixed_request(rng, i), result))
+                path, body, bad = soak_request(rng, i)
+                task = asyncio.create_task(_send(c, path, body, result, bad))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
                 i += 1
