@@ -122,7 +122,7 @@ def test_bad_requests_raise_clear_errors(tiny, prompt, params, message):
     [
         (dict(max_tokens=0), "max_tokens must be at least 1"),
         (dict(max_tokens=-3), "max_tokens must be at least 1"),
-        (dict(temperature=-0.5), "temperature must be in \[0, 100\]"),
+        (dict(temperature=-0.5), r"temperature must be in \[0, 100\]"),
         (dict(top_p=0.0), "top_p must be in"),
         (dict(top_k=-2), "top_k must be"),
         (dict(min_p=1.5), "min_p must be in"),
