@@ -157,7 +157,7 @@ def test_smollm2_int8_logits_stay_close_to_float32(fp32, int8, chunk):
         # measured per channel 1.63-1.79 (fp32), 1.74-1.88 (bf16); groups of 32 0.70-0.92, 0.67-1.12;
         # an AVX2-only CPU (Zen 3; bf16 emulated): 1.34-1.37 (fp32), 1.16-2.15 (bf16)
         assert (out - ref).abs().max().item() <= 2.5
-        assert (out.argmax(-1) == ref.argmax(-1)).float().mean().item() >= 0.85  # measured 0.93-1; 13/15 on an AVX-512 Xeon without AVX512_BF16 (bf16 rounded in software), before issue 51 too
+        assert (out.argmax(-1) == ref.argmax(-1)).float().mean().item() >= 0.9  # measured 0.93-1
 
 
 GREEDY_PROMPTS = PROMPTS + [
