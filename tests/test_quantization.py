@@ -150,6 +150,7 @@ def int8(request: pytest.FixtureRequest, smollm2_path: str) -> LoadedModel:
 
 @pytest.mark.parametrize("chunk", [None, 4])  # one step (dequantized path), 4-row steps (kernel)
 def test_smollm2_int8_logits_stay_close_to_float32(fp32, int8, chunk):
+    agree, positions = 0, 0
     for text in PROMPTS:
         ids = fp32.tokenizer.encode(text)
         ref = full_logits(fp32.model, ids)
@@ -157,7 +158,16 @@ def test_smollm2_int8_logits_stay_close_to_float32(fp32, int8, chunk):
         # measured per channel 1.63-1.79 (fp32), 1.74-1.88 (bf16); groups of 32 0.70-0.92, 0.67-1.12;
         # an AVX2-only CPU (Zen 3; bf16 emulated): 1.34-1.37 (fp32), 1.16-2.15 (bf16)
         assert (out - ref).abs().max().item() <= 2.5
-        assert (out.argmax(-1) == ref.argmax(-1)).float().mean().item() >= 0.9  # measured 0.93-1
+        # Where int8 picks another token, float32 scored it nearly as high as its own pick: a
+        # near-tie flipped, not a wrong answer (measured regrets 0.06 and 0.19, an AVX-512 Xeon
+        # without AVX512_BF16, bf16 activations on the avx2 kernel, at margins of 0.06 and 0.19).
+        picked = ref.gather(-1, out.argmax(-1, keepdim=True))[:, 0]
+        assert (ref.amax(-1) - picked).max().item() <= 0.5
+        agree += (out.argmax(-1) == ref.argmax(-1)).sum().item()
+        positions += len(ids)
+    # over both prompts (33 positions): one prompt's 15 are too few for a rate, each near-tie
+    # is 7% of them
+    assert agree / positions >= 0.9  # measured 31/33-33/33
 
 
 GREEDY_PROMPTS = PROMPTS + [
