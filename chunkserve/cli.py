@@ -13,7 +13,7 @@ def _generate(args: argparse.Namespace) -> int:
     from chunkserve.sampling_params import SamplingParams
 
     if args.node_rank > 0:  # a secondary node: its ranks only, node 0 generates
-        from chunkserve.engine.tp_headless import run_headless
+        from chunkserve.engine.tp.headless import run_headless
 
         return run_headless(config_from_args(args))
     llm = LLM(**engine_kwargs(_with_step_time(args, serving=False)))

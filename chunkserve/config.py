@@ -117,18 +117,18 @@ DEFAULT_KV_CACHE_GIB = 2.0
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    # vLLM's -tp: ranks that each hold a shard of every layer (engine/tp_executor.py).
+    # vLLM's -tp: ranks that each hold a shard of every layer (engine/tp/executor.py).
     tensor_parallel_size: int = 1
     # vLLM's multi-node flags. With one engine the ranks split evenly over `nnodes` machines,
     # node k hosting ranks k*L .. k*L+L-1 (L = ranks_per_node). Node 0 runs the engine and rank
     # 0, whose store listens at master_addr:master_port; the other nodes run only their ranks
     # (tp_headless.py). With data_parallel_size > 1 the *engines* split over the nodes instead,
-    # each with its tensor-parallel ranks on its own node (serve/dp_headless.py).
+    # each with its tensor-parallel ranks on its own node (engine/dp_headless.py).
     nnodes: int = 1
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int = 0  # 0: a free port, which only node 0 itself can then know
-    # vLLM's -dp: whole engines behind one API server (`serve` only: serve/engine_proc.py).
+    # vLLM's -dp: whole engines behind one API server (`serve` only: frontend/engines.py).
     data_parallel_size: int = 1
 
     @property
@@ -309,6 +309,12 @@ class EngineConfig:
     trace_file: str | None = None
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     trace_format: str | None = None  # "jsonl" or "perfetto"; None: by trace_file's suffix
+
+    def portable(self) -> EngineConfig:
+        """This config as plain data, for another process (engine/tp/step_wire.py, the
+        data-parallel rendezvous): without `step_time`, a callable that the engine process
+        makes its own from the same flags."""
+        return replace(self, scheduler_config=replace(self.scheduler_config, step_time=None))
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

@@ -23,10 +23,10 @@ from server_utils import HTTP_TIMEOUT_S, RemoteServer, assert_error
 
 from chunkserve.serve.admission import Admission, ClientGone, Refused
 from chunkserve.engine.llm_engine import EngineStats
-from chunkserve.serve.async_engine import AsyncEngine
-from chunkserve.serve.engine_loop import LoopEvent
+from chunkserve.frontend.async_engine import AsyncEngine
+from chunkserve.engine.engine_loop import LoopEvent
 from chunkserve.serve.metrics import REJECT_REASONS, ServerMetrics
-from chunkserve.serve.serving import ApiError, Serving
+from chunkserve.serve.openai.serving import ApiError, Serving
 
 # ---- in process: the engine thread played by the test -----------------------------------------
 
@@ -59,7 +59,8 @@ class Harness:
     def __init__(self, cap: int | None, timeout_s: float = 30.0) -> None:
         self.client = _Client()
         self.metrics = ServerMetrics("m", 256)
-        self.ae = AsyncEngine([self.client], self.metrics)  # type: ignore[list-item]
+        self.ae = AsyncEngine([self.client], [self.metrics])  # type: ignore[list-item]
+        self.metrics.track_waiting(0, lambda: self.ae.gauge_queued(0))
         self.ae.start()  # "the loop runs": healthy
         self.admission = Admission(self.ae, cap, timeout_s)
 
@@ -193,6 +194,7 @@ def test_refusals_are_counted_by_reason():
         serving = Serving.__new__(Serving)  # only what admission needs
         serving.async_engine, serving.admission, serving.max_waiting_requests = (
             h.ae, h.admission, 1)
+        serving._count_rejected = h.metrics.count_rejected
         ticket = await serving.admit(1)
         with pytest.raises(ApiError) as e:
             await serving.admit(1)

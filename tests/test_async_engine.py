@@ -8,7 +8,7 @@ import pytest
 from chunkserve.engine.llm_engine import LLMEngine
 from chunkserve.engine.processor import EngineRequest
 from chunkserve.sampling_params import SamplingParams
-from chunkserve.serve.async_engine import AsyncEngine, RequestFailedError
+from chunkserve.frontend.async_engine import AsyncEngine, RequestFailedError
 
 POISON = 4242  # a prompt token that makes the (patched) runner raise
 
@@ -52,7 +52,7 @@ def test_a_failing_step_fails_its_requests_not_the_engine(tiny_model_dir):
 def test_admission_tickets_and_fail_all(tiny_model_dir):
     """Reserved places count as queued until sent; fail_all (the end of the shutdown grace
     period) ends every in-flight request with ShuttingDownError, frees it, refuses new ones."""
-    from chunkserve.serve.async_engine import ShuttingDownError
+    from chunkserve.frontend.async_engine import ShuttingDownError
 
     engine = LLMEngine.from_kwargs(model=tiny_model_dir, dtype="float32", max_model_len=256)
     long = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
@@ -91,11 +91,11 @@ def test_admission_tickets_and_fail_all(tiny_model_dir):
 
 
 def test_the_loop_runs_on_the_thread_that_built_the_engine(tiny_model_dir):
-    """One OpenMP pool per process (serve/compute_thread.py): the server builds the engine on
+    """One OpenMP pool per process (engine/compute_thread.py): the server builds the engine on
     its compute thread, and every step then runs on that same thread."""
     import threading
 
-    from chunkserve.serve.compute_thread import ComputeThread
+    from chunkserve.engine.compute_thread import ComputeThread
 
     compute = ComputeThread()
     built_on, stepped_on = compute.call(threading.get_ident), set()

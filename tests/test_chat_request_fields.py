@@ -30,9 +30,9 @@ from test_chat_templates import (  # noqa: F401 - hf_folders is a fixture used h
     load_template,
 )
 
-from chunkserve.serve.chat_prompt import render_chat_prompt
+from chunkserve.serve.openai.chat_prompt import render_chat_prompt
 from chunkserve.tokenizer.chat_template import template_variables
-from chunkserve.serve.chat_requests import ChatCompletionRequest
+from chunkserve.serve.openai.chat_protocol import ChatCompletionRequest
 from chunkserve.tokenizer.tokenizer import Tokenizer
 
 NO_THINK = "<|im_start|>assistant\n<think>\n\n</think>\n\n"

@@ -1,4 +1,4 @@
-"""Which cores each rank and engine computes on (engine/cpu_binding.py): vLLM's
+"""Which cores each rank and engine computes on (procs/cpu_binding.py): vLLM's
 VLLM_CPU_OMP_THREADS_BIND lists, nobind, the default even split, the data-parallel engines'
 shares, and a real two-rank engine bound as asked and unbound after."""
 from __future__ import annotations
@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from chunkserve.engine.cpu_binding import ENV, parse_cpu_list, rank_cores, threads
-from chunkserve.serve.engine_proc import split_cores
+from chunkserve.procs.cpu_binding import ENV, parse_cpu_list, rank_cores, threads
+from chunkserve.engine.core_proc import split_cores
 
 
 def test_cpu_lists_parse_like_taskset() -> None:

@@ -1,10 +1,10 @@
-"""Data-parallel engines over several nodes (`serve -dp 2 --nnodes 2`; serve/dp_remote.py,
-dp_headless.py, store_queue.py; issue 30 part 3), two launches on this machine standing in for
-two: node 0 the API server with engine 0, node 1 a headless launch with engine 1. Requests
-reach both engines and give one process's tokens; the server's stop ends node 1 with 0; a dead
-engine, a lost node or a SIGTERMed node fails its requests and stops the server with 1; no
-process is left behind. The queue through node 0's store and the watch of silent nodes are
-unit-tested in-process."""
+"""Data-parallel engines over several nodes (`serve -dp 2 --nnodes 2`; frontend/remote_engines.py,
+engine/dp_headless.py, engine/channel.py; issues 30 part 3 and 52), two launches on this machine
+standing in for two: node 0 the API server with engine 0, node 1 a headless launch with engine
+1. Requests reach both engines and give one process's tokens; the server's stop ends node 1
+with 0; a dead engine, a lost node or a SIGTERMed node fails its requests and stops the server
+with 1; no process is left behind. An engine without the shared secret is refused, and the
+watch of silent nodes is unit-tested in-process."""
 from __future__ import annotations
 
 import os
@@ -22,13 +22,19 @@ from test_dp_serving import SHORT_PROMPT, _Stream
 from test_tp_multinode import _alive, _Launch, _wait_gone
 
 from chunkserve.cli import main
-from chunkserve.engine.tp_group import TPGroup
-from chunkserve.serve.engine_loop import LoopEvent
-from chunkserve.serve.store_queue import StoreLostError, StoreQueue
+from chunkserve.engine.channel import SECRET_ENV
+from chunkserve.engine.engine_loop import LoopEvent
+from chunkserve.procs.rendezvous import host_store
 
 SHUTDOWN_TIMEOUT_S = 3.0
 FLAGS = ["--dtype", "float32", "--max-num-batched-tokens", "64", "--nnodes", "2",
          "--master-addr", "127.0.0.1"]
+
+
+@pytest.fixture(autouse=True)
+def _shared_secret(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every node of these launches is given the same secret, as a deployment would."""
+    monkeypatch.setenv(SECRET_ENV, "test-secret-of-the-nodes")
 
 
 class _Nodes:
@@ -114,7 +120,7 @@ def test_a_dead_engine_on_another_node_fails_its_requests_and_stops_both(
 def test_a_silent_node_is_noticed_and_leaves_no_engine(nodes: _Nodes) -> None:
     """A SIGKILLed launch closes no socket of the server's: its engine exits (its parent is
     gone), and the server hears of it from the node's beat counter standing still."""
-    from chunkserve.serve.dp_remote import NODE_SILENT_S
+    from chunkserve.frontend.remote_engines import NODE_SILENT_S
 
     server = nodes.server
     assert server is not None and server.proc is not None
@@ -175,37 +181,19 @@ def test_an_engine_refuses_data_parallel_size(tiny_model_dir: str) -> None:
         LLMEngine.from_kwargs(model=tiny_model_dir, data_parallel_size=2)
 
 
-def test_a_store_queue_carries_objects_until_its_store_is_gone() -> None:
-    import pickle
-
-    store = TPGroup.host_store("127.0.0.1", None, 0)  # type: ignore[arg-type]
-    sent = StoreQueue("127.0.0.1", store.port, "q")
-    received = pickle.loads(pickle.dumps(sent))  # what another process would hold
-    sent.put(LoopEvent(num_applied=3))
-    sent.put("stop")
-    assert received.get(timeout=5) == LoopEvent(num_applied=3)
-    assert received.get(timeout=5) == "stop"
-    with pytest.raises(queue.Empty):
-        received.get(timeout=0.05)
-    with pytest.raises(queue.Empty):
-        received.get_nowait()
-    del store
-    for _ in range(2):  # and again: a lost store stays lost
-        with pytest.raises(StoreLostError, match="node 0's store is gone"):
-            received.get(timeout=5)
-
-
 def test_node_watch_reports_a_node_that_never_joins_or_goes_silent(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from chunkserve.serve import dp_remote
-    from chunkserve.serve.dp_remote import NodeWatch, RemoteEngineClient
-    from chunkserve.serve.store_queue import beat_key
+    from chunkserve.engine.dp_rendezvous import beat_key
+    from chunkserve.frontend import remote_engines as dp_remote
+    from chunkserve.frontend.core_client import CoreClient, EngineHub
+    from chunkserve.frontend.remote_engines import NodeWatch
 
     monkeypatch.setattr(dp_remote, "BEAT_S", 0.05)
     monkeypatch.setattr(dp_remote, "NODE_SILENT_S", 0.3)
     monkeypatch.setattr(dp_remote, "TIMEOUT", timedelta(seconds=0.5))
-    store = TPGroup.host_store("127.0.0.1", None, 0)  # type: ignore[arg-type]
-    never, silent = (RemoteEngineClient(i, i, "127.0.0.1", store.port) for i in (1, 2))
+    store = host_store("127.0.0.1", None, 0)
+    hub = EngineHub(b"secret", tcp=True)
+    never, silent = (CoreClient(hub, i, None, node=i) for i in (1, 2))
     NodeWatch(store, [never, silent], "is it started?")
     events: queue.Queue[LoopEvent] = queue.Queue()
     silent.start(lambda index, ev: events.put(ev))
@@ -218,4 +206,4 @@ def test_node_watch_reports_a_node_that_never_joins_or_goes_silent(
     assert events.get(timeout=10).fatal == "node 2 stopped answering for 0.3 s"
     assert not silent.is_alive() and not never.is_alive()
     for client in (never, silent):
-        client.shutdown(timeout=1)  # ends its reader: none is left blocked on the store
+        client.shutdown(timeout=1)  # the last one closes the hub's sockets and reader

@@ -1,4 +1,4 @@
-"""The data-parallel routing rule (chunkserve/serve/dp_router.py): load score, local
+"""The data-parallel routing rule (chunkserve/frontend/dp_router.py): load score, local
 increments, prefix affinity and its overload escape, the LRU bound, argument checks."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from chunkserve.serve.dp_router import DEFAULT_OVERLOAD_MARGIN, DPRouter
+from chunkserve.frontend.dp_router import DEFAULT_OVERLOAD_MARGIN, DPRouter
 
 BLOCK = 16
 
@@ -164,7 +164,7 @@ def test_without_affinity_equal_engines_stay_within_one(
     assert max(counts) - min(counts) <= 1
 
 
-# ---- the router inside the server's front end (serve/async_engine.py) ----------------------------
+# ---- the router inside the server's front end (frontend/async_engine.py) ----------------------------
 
 
 class _Client:
@@ -196,8 +196,8 @@ def test_the_front_end_routes_adds_and_sends_aborts_to_the_same_engine() -> None
     from chunkserve.engine.llm_engine import EngineStats
     from chunkserve.engine.processor import EngineRequest
     from chunkserve.sampling_params import SamplingParams
-    from chunkserve.serve.async_engine import AsyncEngine
-    from chunkserve.serve.engine_loop import Abort, Add, LoopEvent
+    from chunkserve.frontend.async_engine import AsyncEngine
+    from chunkserve.engine.engine_loop import Abort, Add, LoopEvent
 
     def request(rid: str, prompt: list[int]) -> EngineRequest:
         return EngineRequest(rid, None, prompt, SamplingParams(max_tokens=4), [])

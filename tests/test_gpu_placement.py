@@ -1,4 +1,4 @@
-"""Which GPU each process computes on (engine/gpu_placement.py, issue 30): the arithmetic and
+"""Which GPU each process computes on (procs/gpu_placement.py, issue 30): the arithmetic and
 its refusals, on any machine. The NCCL runs themselves are tests/test_cuda.py's, on two GPUs."""
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from chunkserve.config import EngineConfig
-from chunkserve.engine.gpu_placement import engine_gpus, rank_device
-from chunkserve.engine.tp_group import Rendezvous, TPGroup
-from chunkserve.serve import engine_proc
+from chunkserve.procs.gpu_placement import engine_gpus, rank_device
+from chunkserve.engine.tp.group import Rendezvous, TPGroup
+from chunkserve.engine import core_proc as engine_proc
 
 
 def test_engines_take_the_nodes_gpus_in_order() -> None:
@@ -82,7 +82,7 @@ def test_on_cuda_the_models_collectives_move_to_an_nccl_group(
     prefix, with the collective timeout; gloo's group stays for the scheduler's output."""
     import torch.distributed as dist
 
-    from chunkserve.engine import tp_group
+    from chunkserve.engine.tp import group as tp_group
 
     made: dict[str, object] = {}
 
@@ -116,7 +116,7 @@ def test_nccl_missing_from_the_torch_build_is_a_clear_error(
         monkeypatch: pytest.MonkeyPatch) -> None:
     import torch.distributed as dist
 
-    from chunkserve.engine import tp_group
+    from chunkserve.engine.tp import group as tp_group
 
     monkeypatch.setattr(dist, "is_nccl_available", lambda: False)
     with pytest.raises(ValueError, match="needs NCCL, which this torch build lacks"):

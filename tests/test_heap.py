@@ -1,4 +1,4 @@
-"""serve/heap.py: when the allocator settings change and when the heap is trimmed.
+"""serve/http/heap.py: when the allocator settings change and when the heap is trimmed.
 
 The RSS effect itself is measured by the stress fuzz (tests/stress/memory.py); here, the rule:
 the body threshold holds while any large body is in flight, the serving thresholds come back
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from chunkserve.serve import heap
+from chunkserve.serve.http import heap
 
 
 @pytest.fixture

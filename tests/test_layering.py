@@ -2,6 +2,7 @@
 
     core ← engine ← (serve, bench);  benchlib ← (bench, sim);  sim ← bench;
     (sim, benchlib, diagnose) ← tune;  tokenizer ← model ← engine
+    procs ← engine ← frontend ← serve   (serve/: HTTP alone; SERVE_ALLOWED orders its parts)
 
 `core` is pure Python; `model` never imports `engine`; `sim` runs the engine with a cost model
 and never imports `model/` or `bench/` (real measurement lives with the benches). Inside
@@ -24,13 +25,17 @@ ALLOWED = {
     # The tokenizer (and chat template) reads model files but no weights.
     "tokenizer": {"presets", "gguf_file"},
     "model": {"config", "presets", "tokenizer", "gguf_file", "layer_types"},
-    "engine": {"core", "model", "config", "sampling_params", "outputs"},
+    # Process lifecycles (spawn, liveness, join-then-kill, placement): the bottom of the house.
+    "procs": {"config"},
+    "engine": {"procs", "core", "model", "tokenizer", "config", "sampling_params", "outputs"},
+    # vLLM's AsyncLLM and its core clients: engines in this process, others, other machines.
+    "frontend": {"procs", "engine", "core", "config", "sampling_params", "outputs", "tokenizer"},
     "benchlib": {"core", "engine", "config", "sampling_params", "outputs"},
     # layer_types: which layers of a config.json slide, read by the model and the simulator.
     "sim": {"benchlib", "core", "engine", "config", "sampling_params", "outputs", "presets",
             "layer_types"},
-    "serve": {"core", "engine", "model", "tokenizer", "config", "sampling_params", "outputs",
-              "__init__"},
+    "serve": {"frontend", "procs", "core", "engine", "model", "tokenizer", "config",
+              "sampling_params", "outputs", "__init__"},
     "bench": {"benchlib", "sim", "core", "engine", "model", "tokenizer", "config",
               "sampling_params", "outputs", "presets"},
     # diagnose reads step traces; tune searches on the simulator and explains with diagnose.

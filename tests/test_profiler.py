@@ -17,8 +17,8 @@ from server_utils import HTTP_TIMEOUT_S, RemoteServer, assert_error
 
 from chunkserve.cli import main as cli_main
 from chunkserve.engine.profiler import ProfilerStateError, engine_profiler
-from chunkserve.serve.async_engine import AsyncEngine, EngineDeadError
-from chunkserve.serve.engine_loop import LoopEvent, StartProfile, StopProfile
+from chunkserve.frontend.async_engine import AsyncEngine, EngineDeadError
+from chunkserve.engine.engine_loop import LoopError, LoopEvent, StartProfile, StopProfile
 
 API_KEY = "profiler-key"
 ARGS = ["--dtype", "float32", "--max-model-len", "256", "--max-num-batched-tokens", "32",
@@ -88,7 +88,7 @@ def test_profiler_endpoints_need_the_api_key(server: RemoteServer) -> None:
 
 def test_without_a_profiler_dir_both_endpoints_are_404(tiny_model_dir: str) -> None:
     from chunkserve.engine.llm_engine import LLMEngine
-    from chunkserve.serve.api_server import build_app
+    from chunkserve.serve.app import build_app
 
     engine = LLMEngine.from_kwargs(model=tiny_model_dir, dtype="float32", max_model_len=256)
     try:
@@ -133,7 +133,8 @@ class _Client:
     def answer(self, error: BaseException | None = None) -> None:
         token = self.sent[-1].token  # type: ignore[attr-defined]
         assert self.handle is not None
-        self.handle(self.index, LoopEvent(profile_answers=[(token, error)]))
+        answer = None if error is None else LoopError.of(error)
+        self.handle(self.index, LoopEvent(profile_answers=[(token, answer)]))
 
     def is_alive(self) -> bool:
         return True

@@ -8,9 +8,9 @@ import re
 import pytest
 from pydantic import ValidationError
 
-from chunkserve.serve.chat_requests import ChatCompletionRequest, TokenizeRequest
-from chunkserve.serve.errors import error_body, validation_error_message
-from chunkserve.serve.openai_responses import (
+from chunkserve.serve.openai.chat_protocol import ChatCompletionRequest, TokenizeRequest
+from chunkserve.serve.openai.errors import error_body, validation_error_message
+from chunkserve.serve.openai.bodies import (
     chat_chunk,
     chat_choice,
     chat_completion_id,
@@ -25,7 +25,7 @@ from chunkserve.serve.openai_responses import (
     usage,
     usage_chunk,
 )
-from chunkserve.serve.protocol import (
+from chunkserve.serve.openai.protocol import (
     MAX_SEQUENCES,
     CompletionRequest,
     DetokenizeRequest,
@@ -358,7 +358,7 @@ def test_error_body_escapes_what_utf8_cannot_carry() -> None:
 
 def test_token_count_bound_never_exceeds_the_count() -> None:
     from chunkserve.tokenizer.tokenizer import load_bundled_tokenizer
-    from chunkserve.serve.prompt_bound import TokenCountBound
+    from chunkserve.serve.openai.prompt_bound import TokenCountBound
 
     tok = load_bundled_tokenizer()
     bound = TokenCountBound(tok)

@@ -18,10 +18,10 @@ import pytest
 from pydantic import ValidationError
 from server_utils import RemoteServer, assert_error
 
-from chunkserve.serve.chat_requests import ChatCompletionRequest
-from chunkserve.serve.errors import validation_error_message
-from chunkserve.serve.protocol import MAX_SEQUENCES, CompletionRequest
-from chunkserve.serve.refused_fields import REFUSED_FIELDS
+from chunkserve.serve.openai.chat_protocol import ChatCompletionRequest
+from chunkserve.serve.openai.errors import validation_error_message
+from chunkserve.serve.openai.protocol import MAX_SEQUENCES, CompletionRequest
+from chunkserve.serve.openai.refused_fields import REFUSED_FIELDS
 
 MESSAGES = [{"role": "user", "content": "Tell me a story about a fox."}]
 PROMPT = "The quick brown fox jumps over the lazy dog."

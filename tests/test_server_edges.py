@@ -1,4 +1,4 @@
-"""The server's connection edges (serve/http_protocol.py): header and body deadlines, the
+"""The server's connection edges (serve/http/h11_protocol.py): header and body deadlines, the
 connection cap, keep-alive, JSON errors from the HTTP parser, HEAD /health.
 
 One real server with short deadlines; raw sockets play the slow and malformed clients

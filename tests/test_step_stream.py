@@ -85,7 +85,7 @@ def test_a_page_that_goes_away_stops_being_a_subscriber(spec_version):
     # Starlette raises ClientDisconnect.
     from starlette.requests import ClientDisconnect
 
-    from chunkserve.serve.web_endpoints import _events, _StepsResponse
+    from chunkserve.serve.routes.web import _events, _StepsResponse
 
     stream = StepStream(interval=0.01)
     sent: list[dict] = []

@@ -1,4 +1,4 @@
-"""Tool calls on /v1/chat/completions (issue 31; serve/tool_calls.py, serve/tool_parsers.py).
+"""Tool calls on /v1/chat/completions (issue 31; serve/openai/tools/tool_choice.py, serve/openai/tools/parsers.py).
 
 A named tool_choice and "required" are grammar-constrained, so even the tiny random model's
 arguments parse and validate; "auto" is read by the server's --tool-call-parser. A stream's
@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 from server_utils import RemoteServer, assert_error
 
 from chunkserve.cli import main
-from chunkserve.serve.tool_calls import ToolCallReader, tool_choice_constraint
-from chunkserve.serve.tool_parsers import (
+from chunkserve.serve.openai.tools.tool_choice import ToolCallReader, tool_choice_constraint
+from chunkserve.serve.openai.tools.parsers import (
     HermesParser,
     Llama3JsonParser,
     NamedFunctionParser,

@@ -1,4 +1,4 @@
-"""Tensor parallelism on the CPU (engine/tp_executor.py, tp_group.py, model/tp_layers.py; issue
+"""Tensor parallelism on the CPU (engine/tp/executor.py, tp_group.py, model/tp_layers.py; issue
 30 part 1): two ranks over gloo in spawned processes, each holding its shard, give the same
 greedy tokens as one process under chunked prefill, prefix caching and both preemption modes,
 with KV heads split or replicated; they stop cleanly, and a worker that dies turns the next
@@ -12,8 +12,8 @@ import threading
 import pytest
 
 from chunkserve.engine.llm_engine import LLMEngine, StepError
-from chunkserve.engine.tp_executor import TensorParallelExecutor
-from chunkserve.engine.tp_group import Rendezvous, TPGroup
+from chunkserve.engine.tp.executor import TensorParallelExecutor
+from chunkserve.engine.tp.group import Rendezvous, TPGroup
 from chunkserve.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -186,18 +186,18 @@ def test_group_broadcasts_objects_sums_and_gathers() -> None:
 
     def rank1() -> None:
         group = TPGroup(rendezvous, 1)
-        got[1] = group.broadcast_object()
+        got[1] = group.broadcast_bytes()
         got["sum"] = group.all_reduce(torch.tensor([2.0, 3.0])).tolist()
         got["gather"] = [t.tolist() for t in group.all_gather(torch.tensor([9]))]
 
     thread = threading.Thread(target=rank1)
     thread.start()
     group = TPGroup(rendezvous, 0, store)
-    group.broadcast_object({"step": [1, 2, 3]})
+    group.broadcast_bytes(b"step 1 2 3")
     total = group.all_reduce(torch.tensor([1.0, 1.0])).tolist()
     gathered = [t.tolist() for t in group.all_gather(torch.tensor([8]))]
     thread.join(30)
-    assert got[1] == {"step": [1, 2, 3]} and total == got["sum"] == [3.0, 4.0]
+    assert got[1] == b"step 1 2 3" and total == got["sum"] == [3.0, 4.0]
     assert gathered == got["gather"] == [[8], [9]]
 
 

@@ -1,5 +1,5 @@
 """Tensor parallelism over several nodes (--nnodes, --node-rank, --master-addr, --master-port;
-engine/tp_headless.py, tp_worker.py; issue 30 part 3), two launches on this machine standing
+engine/tp/headless.py, tp_worker.py; issue 30 part 3), two launches on this machine standing
 in for two: node 1 a headless `chunkserve serve` subprocess, node 0 this process (or a
 subprocess, to be killed). The same greedy tokens as one process; rank 0's stop ends node 1
 with 0, rank 0's death with 1; a SIGKILLed launcher or engine leaves no worker behind; bad
@@ -226,18 +226,18 @@ def test_an_idle_worker_outwaits_the_collective_timeout(monkeypatch: pytest.Monk
     node started long before the first request); the step's collectives keep TIMEOUT."""
     from datetime import timedelta
 
-    from chunkserve.engine import tp_group
-    from chunkserve.engine.tp_group import IDLE_WAIT, Rendezvous, TPGroup
+    from chunkserve.engine.tp import group as tp_group
+    from chunkserve.engine.tp.group import IDLE_WAIT, Rendezvous, TPGroup
 
     monkeypatch.setattr(tp_group, "TIMEOUT", timedelta(seconds=0.5))
     store = TPGroup.host_store("127.0.0.1", 2)
     rendezvous = Rendezvous("127.0.0.1", store.port, 2)
     got: list[object] = []
     worker = threading.Thread(target=lambda: got.append(
-        TPGroup(rendezvous, 1).broadcast_object(timeout=IDLE_WAIT)))
+        TPGroup(rendezvous, 1).broadcast_bytes(timeout=IDLE_WAIT)))
     worker.start()
     group = TPGroup(rendezvous, 0, store)
     time.sleep(1.5)
-    group.broadcast_object("step")
+    group.broadcast_bytes(b"step")
     worker.join(10)
-    assert got == ["step"]
+    assert got == [b"step"]

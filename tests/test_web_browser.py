@@ -180,3 +180,16 @@ def test_a_data_parallel_stream_draws_a_timeline_per_engine(page):
         assert d["chunk"] == [251, 140, 0], d  # the chunk, orange, on slot 2's lane
         assert d["latest"] == [30, 136, 229], d  # the open decode span reaches "now"
     assert page.text_content("#running") == "4"  # the engines' figures together
+
+
+def test_the_step_chart_scales_to_the_steps_shown_not_the_budget(page):
+    """An adaptive cap of 9,011 tokens over steps of a few dozen: the axis is the tallest step's
+    (plus a tenth), and the budget, above it, is named as clipped rather than flattening the
+    bars to a pixel (issue 52)."""
+    got = page.evaluate("""() => stepScale([
+        {prefill_tokens: 20, decode_tokens: 4, budget: 9011},
+        {prefill_tokens: 0, decode_tokens: 8, budget: 9011}])""")
+    assert got["budget"] == 9011 and got["clipped"] is True
+    assert got["top"] == pytest.approx(24 * 1.1)
+    inside = page.evaluate("() => stepScale([{prefill_tokens: 50, decode_tokens: 6, budget: 64}])")
+    assert inside["clipped"] is False and inside["top"] == pytest.approx(64 * 1.1)

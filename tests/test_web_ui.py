@@ -1,4 +1,4 @@
-"""The built-in web page and its live step stream (serve/web_endpoints.py), on one server with an
+"""The built-in web page and its live step stream (serve/routes/web.py), on one server with an
 API key: the page's files are open, the stream and the API need the key."""
 from __future__ import annotations
 

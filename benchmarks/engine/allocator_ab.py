@@ -22,7 +22,7 @@ SETTINGS = {
     "mmap 4 MiB": {"MALLOC_MMAP_THRESHOLD_": str(4 << 20)},
     "mmap 4 MiB + trim 256 MiB": {"MALLOC_MMAP_THRESHOLD_": str(4 << 20),
                                   "MALLOC_TRIM_THRESHOLD_": str(256 << 20)},
-    # The ceiling glibc's dynamic threshold climbs to, fixed from the start (serve/heap.py
+    # The ceiling glibc's dynamic threshold climbs to, fixed from the start (serve/http/heap.py
     # between large request bodies).
     "mmap 32 MiB + trim 64 MiB": {"MALLOC_MMAP_THRESHOLD_": str(32 << 20),
                                   "MALLOC_TRIM_THRESHOLD_": str(64 << 20)},

@@ -1,4 +1,4 @@
-"""Why `chunkserve serve` builds its engine on the thread that steps it (serve/compute_thread.py).
+"""Why `chunkserve serve` builds its engine on the thread that steps it (engine/compute_thread.py).
 
 Times B=1 decode steps of SmolLM2 (engine defaults, ~128-token context) in three set-ups:
   main       the model loaded and stepped on the main thread (what engine_speed.py measures);

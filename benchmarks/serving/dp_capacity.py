@@ -1,6 +1,6 @@
 """Served capacity of `serve --data-parallel-size 2` against one engine, on this machine.
 
-One engine uses every core; two engines get half the cores each (serve/engine_proc.py). Each
+One engine uses every core; two engines get half the cores each (frontend/engines.py). Each
 configuration is started fresh for every measurement, alternating (dp1, dp2, dp1, dp2, ...) so
 that drift on a shared machine hits both alike, and `chunkserve bench serve` drives it with the
 article's mixed workload in a closed loop (--max-concurrency 16, all requests queued at once),

@@ -412,7 +412,7 @@ def _tensor_parallel(config: EngineConfig, loaded: LoadedModel | None
                      ) -> tuple[Executor, LoadedModel, EngineConfig]:
     """The ranks' executor, rank 0's load and the config resolved against it. Each rank loads
     its own shard, so a model loaded beforehand cannot be shared."""
-    from chunkserve.engine.tp_executor import TensorParallelExecutor
+    from chunkserve.engine.tp.executor import TensorParallelExecutor
 
     if loaded is not None:
         raise ValueError("tensor parallelism loads the model on every rank: pass the model "

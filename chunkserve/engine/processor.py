@@ -10,7 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol
 
+import msgspec
+
 from chunkserve.sampling_params import SamplingParams
+from chunkserve.tokenizer.tokenizer import Tokenizer, TokenizerSpec
 
 if TYPE_CHECKING:
     from chunkserve.engine.grammar import GrammarCompiler
@@ -39,6 +42,15 @@ class EngineRequest:
     grammar: str | None = None
 
 
+class ProcessorSpec(msgspec.Struct, frozen=True):
+    """A Processor as data: what an engine process sends the API server (engine/wire.py)."""
+
+    max_model_len: int
+    vocab_size: int | None
+    eos_token_ids: list[int]
+    tokenizer: TokenizerSpec | None
+
+
 class Processor:
     def __init__(
         self,
@@ -56,6 +68,18 @@ class Processor:
             eos_token_ids = [tokenizer.eos_token_id]
         self.eos_token_ids = list(eos_token_ids or [])
         self._grammars: GrammarCompiler | None = None  # made with the first structured request
+
+    def spec(self) -> ProcessorSpec:
+        tok = self.tokenizer
+        if tok is not None and not isinstance(tok, Tokenizer):
+            raise TypeError(f"a {type(tok).__name__} cannot be sent to another process")
+        return ProcessorSpec(self.max_model_len, self.vocab_size, self.eos_token_ids,
+                             None if tok is None else tok.spec())
+
+    @classmethod
+    def from_spec(cls, spec: ProcessorSpec) -> Processor:
+        tok = None if spec.tokenizer is None else Tokenizer.from_spec(spec.tokenizer)
+        return cls(spec.max_model_len, spec.vocab_size, tok, spec.eos_token_ids)
 
     def process_inputs(
         self,

@@ -7,7 +7,7 @@ MLP rows, a vocabulary slice) then needs, per step (Megatron's scheme, as vLLM d
   that adds it to the residual;
 - the LM head: each rank's logits for its vocabulary slice, all-gathered and the padding cut.
 The model code is unchanged: its `embed_tokens`, `layers[i].o / .down` and `lm_head` are
-wrapped. The collectives come from whoever runs the ranks (engine/tp_group.py).
+wrapped. The collectives come from whoever runs the ranks (engine/tp/group.py).
 """
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 
-from chunkserve.serve.async_engine import AsyncEngine, Ticket
+from chunkserve.frontend.async_engine import AsyncEngine, Ticket
 
 RESERVATION_TIMEOUT_S = 30.0
 # A pending reservation is woken whenever places may have freed; it also looks again this often,

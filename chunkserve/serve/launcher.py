@@ -15,14 +15,14 @@ from typing import TYPE_CHECKING
 import uvicorn
 
 from chunkserve.engine.arg_utils import add_engine_args, config_from_args
-from chunkserve.serve.compute_thread import ComputeThread
-from chunkserve.serve.heap import configure_allocator
-from chunkserve.serve.http_protocol import ConnectionLimits, protocol_class
-from chunkserve.serve.tool_parsers import TOOL_CALL_PARSERS
+from chunkserve.engine.compute_thread import ComputeThread
+from chunkserve.serve.http.heap import configure_allocator
+from chunkserve.serve.http.h11_protocol import ConnectionLimits, protocol_class
+from chunkserve.serve.openai.tools.parsers import TOOL_CALL_PARSERS
 
 if TYPE_CHECKING:
     from chunkserve.engine.llm_engine import LLMEngine
-    from chunkserve.serve.engine_client import EngineClient
+    from chunkserve.frontend.engine_client import EngineClient
 
 log = logging.getLogger("chunkserve.server")
 # SIGTERM/SIGINT: the process exits 0 within this many seconds (--shutdown-timeout). In-flight
@@ -139,12 +139,12 @@ def build_engine(args: argparse.Namespace) -> LLMEngine:
 
 def _build_engines(args: argparse.Namespace) -> list[EngineClient]:
     """One engine built on the thread its loop will run on (one OpenMP pool:
-    serve/compute_thread.py), or --data-parallel-size engine processes."""
+    engine/compute_thread.py), or --data-parallel-size engine processes."""
     if args.data_parallel_size > 1:
-        from chunkserve.serve.engine_proc import start_engines
+        from chunkserve.frontend.engines import start_engines
 
         return start_engines(config_from_args(args), profiler_dir=args.profiler_dir)
-    from chunkserve.serve.engine_client import InProcessClient
+    from chunkserve.frontend.engine_client import InProcessClient
 
     compute = ComputeThread()
     return [InProcessClient(compute.call(lambda: build_engine(args)), compute,
@@ -155,10 +155,10 @@ def _run_headless(args: argparse.Namespace) -> int:
     """Node k > 0: its share of the data-parallel engines, or of one engine's ranks."""
     config = config_from_args(args)  # verified: the flags' errors come before any connection
     if args.data_parallel_size > 1:
-        from chunkserve.serve.dp_headless import run_dp_headless
+        from chunkserve.engine.dp_headless import run_dp_headless
 
         return run_dp_headless(config, _profiler_dir(args))
-    from chunkserve.engine.tp_headless import run_headless
+    from chunkserve.engine.tp.headless import run_headless
 
     return run_headless(config)
 
@@ -175,7 +175,7 @@ def _profiler_dir(args: argparse.Namespace) -> str | None:
 
 
 def run_server(args: argparse.Namespace) -> int:
-    from chunkserve.serve.api_server import begin_shutdown, build_app
+    from chunkserve.serve.app import begin_shutdown, build_app
 
     if args.model_tag is not None:
         args.model = args.model_tag
@@ -194,7 +194,7 @@ def run_server(args: argparse.Namespace) -> int:
                          f"(one of {', '.join(sorted(TOOL_CALL_PARSERS))})")
     args.profiler_dir = _profiler_dir(args)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    configure_allocator()  # before the engine's and the tokenizer's threads allocate (serve/heap.py)
+    configure_allocator()  # before the engine's and the tokenizer's threads allocate (serve/http/heap.py)
     name = args.served_model_name or args.model
     app = build_app(_build_engines(args), name, args.api_key, args.max_waiting_requests,
                     metrics_require_key=args.metrics_require_key,

@@ -20,6 +20,7 @@ from prometheus_client import (
     generate_latest,
 )
 
+from chunkserve.engine.engine_loop import LoopEvent
 from chunkserve.engine.trace import StepRecord
 from chunkserve.outputs import RequestOutput
 
@@ -236,6 +237,19 @@ class ServerMetrics:
                 self._kv_usage.labels(*labels), self._fragmentation.labels(*labels),
                 self._token_budget.labels(*labels), self._model_error.labels(*labels), labels)
         return gauges
+
+    def on_event(self, index: int, ev: LoopEvent) -> None:
+        """An engine loop's event (frontend/async_engine.py's observers), on any thread."""
+        if ev.record is not None:
+            self.observe_step(ev.record, index)
+        for _, out, new in ev.outputs:
+            self.observe_output(out, new)
+        for _ in range(ev.num_aborted):
+            self.observe_aborted()
+        if ev.stats is not None:
+            s = ev.stats
+            self.set_state(index, s.num_running, s.num_waiting, s.kv_usage,
+                           s.kv_internal_fragmentation)
 
     def track_waiting(self, index: int, source: Callable[[], float]) -> None:
         """Engine `index`'s vllm:num_requests_waiting reads `source()` at every scrape from now

@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from chunkserve.engine.lanes import LaneEvent, Lanes, LaneSpan
+from chunkserve.engine.engine_loop import LoopEvent
 from chunkserve.engine.trace import StepRecord
 
 INTERVAL_S = 0.05  # 20 summaries a second at most
@@ -121,6 +122,11 @@ class StepStream:
     @property
     def subscribers(self) -> int:
         return len(self._queues)
+
+    def on_event(self, index: int, ev: LoopEvent) -> None:
+        """An engine loop's event (frontend/async_engine.py's observers), on any thread."""
+        if ev.record is not None:
+            self.observe(ev.record, index)
 
     def observe(self, record: StepRecord, engine: int = 0) -> None:
         """Any thread (an engine's loop): the record goes to every subscriber's queue."""

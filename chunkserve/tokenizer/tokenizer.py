@@ -8,6 +8,7 @@ import json
 import os
 from typing import Any, overload
 
+import msgspec
 from tokenizers import Tokenizer as HFTokenizer
 
 from chunkserve.tokenizer.chat_template import render_chat_template
@@ -30,6 +31,20 @@ def _pick_template(value: Any) -> str | None:
         named = {t.get("name"): t.get("template") for t in value}
         return named.get("default")
     return value
+
+
+class TokenizerSpec(msgspec.Struct, frozen=True):
+    """A tokenizer as data (its tokenizer.json and the facts around it): how an engine of
+    another process hands the API server its tokenizer without pickling an object."""
+
+    tokenizer_json: str
+    bos_token_id: int | None
+    eos_token_id: int | None
+    add_bos: bool
+    add_eos: bool
+    chat_template: str | None
+    vocab_limit: int | None
+    fold_base: int
 
 
 class Tokenizer:
@@ -98,6 +113,19 @@ class Tokenizer:
                    add_bos=bool(config.get("add_bos_token", False)) and not post_adds_bos,
                    add_eos=False, chat_template=_pick_template(config.get("chat_template")))
 
+    def spec(self) -> TokenizerSpec:
+        return TokenizerSpec(self._tok.to_str(), self._bos_id, self._eos_id, self._add_bos,
+                             self._add_eos, self._chat_template, self._vocab_limit,
+                             self._fold_base)
+
+    @classmethod
+    def from_spec(cls, spec: TokenizerSpec) -> Tokenizer:
+        tok = cls(HFTokenizer.from_str(spec.tokenizer_json), bos_token_id=spec.bos_token_id,
+                  eos_token_id=spec.eos_token_id, add_bos=spec.add_bos, add_eos=spec.add_eos,
+                  chat_template=spec.chat_template)
+        tok._vocab_limit, tok._fold_base = spec.vocab_limit, spec.fold_base
+        return tok
+
     def fold_to_vocab(self, vocab_size: int) -> Tokenizer:
         """This tokenizer for a model whose vocabulary is smaller (a preset such as llama-2-13b,
         32000 ids, run with the bundled 49152-id tokenizer): ids past it wrap around.
@@ -152,7 +180,7 @@ class Tokenizer:
     @property
     def hf_tokenizer(self) -> HFTokenizer:
         """The wrapped `tokenizers.Tokenizer`: its normalizer and decoder tell what a token
-        stands for (serve/prompt_bound.py)."""
+        stands for (serve/openai/prompt_bound.py)."""
         return self._tok
 
     @property

@@ -1,4 +1,4 @@
-"""Phase (f): slow and idle clients, and the connection cap (serve/http_protocol.py).
+"""Phase (f): slow and idle clients, and the connection cap (serve/http/h11_protocol.py).
 
 Connections that send nothing, stall inside their headers, or stall inside a declared body must
 be closed by the server within --header-timeout / --body-timeout (plus slack), with a 408 in

@@ -119,15 +119,27 @@ function fit(canvas, height) {
   return canvas.getContext("2d");
 }
 
+// The step chart's y-axis: the tallest step shown, or the budget where it is at most twice that
+// (the line is then in view), plus a tenth. An adaptive cap can be thousands of tokens over the
+// steps it allows (9,011 for steps of a few dozen), and scaling to it left every bar a pixel
+// high: a budget that far above is drawn at the top edge and named in the corner instead.
+function stepScale(steps) {
+  let tallest = 1, budget = 0;
+  for (const s of steps) {
+    tallest = Math.max(tallest, s.prefill_tokens + s.decode_tokens);
+    budget = Math.max(budget, s.budget || 0);
+  }
+  const top = (budget <= 2 * tallest ? Math.max(tallest, budget) : tallest) * 1.1;
+  return { top, budget, clipped: budget > top };
+}
+
 function drawSteps(e, now) {
   const canvas = e.stepsCanvas, g = fit(canvas, canvas.height);
   const W = canvas.width, H = canvas.height;
   g.clearRect(0, 0, W, H);
   while (e.steps.length && e.steps[0].start + e.steps[0].duration < now - WINDOW_S) e.steps.shift();
-  let top = 1;
-  for (const s of e.steps) top = Math.max(top, s.budget || 0, s.prefill_tokens + s.decode_tokens);
-  top *= 1.1;
-  const x = (t) => W - (now - t) / WINDOW_S * W, y = (tokens) => H - tokens / top * H;
+  const { top, budget, clipped } = stepScale(e.steps);
+  const x = (t) => W - (now - t) / WINDOW_S * W, y = (tokens) => H - Math.min(tokens, top) / top * H;
   for (const s of e.steps) {
     // A pixel's gap between wide bars, so that back-to-back steps read as separate steps.
     const x0 = x(s.start), full = s.duration / WINDOW_S * W, w = full >= 3 ? full - 1 : Math.max(1, full);
@@ -139,6 +151,7 @@ function drawSteps(e, now) {
   }
   g.fillStyle = "#555";
   g.fillText(Math.round(top) + " tokens", 4, 12);
+  if (clipped) { g.fillStyle = COLORS.budget; g.fillText("budget " + budget + " (above)", 4, 26); }
   g.fillText(WINDOW_S + " s ago", 4, H - 4);
   g.fillText("bar width = step duration", W - 140, 12);
 }

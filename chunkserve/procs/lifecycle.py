@@ -1,0 +1,66 @@
+"""Spawning a child, asking whether it lives, and ending it: join, then kill.
+
+Every child is started with multiprocessing's `spawn` (a fresh interpreter: no forked
+OpenMP or CUDA state) and ended the same way: asked to stop by its owner (a command, a
+broadcast), given JOIN_TIMEOUT_S, then killed. One timeout for every kind of child, so a
+shutdown's worst case is known.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable
+from multiprocessing.connection import wait
+from typing import Any
+
+import torch.multiprocessing as mp
+
+log = logging.getLogger("chunkserve.procs")
+JOIN_TIMEOUT_S = 10.0  # a child told to stop that has not within this is killed
+POLL_S = 0.2  # how often a wait on a child's start-up checks that it still lives
+
+
+def spawn(target: Callable[..., Any], name: str, args: tuple[Any, ...],
+          daemon: bool = False) -> mp.Process:
+    """Starts `target(*args)` in a fresh process. Not a daemon by default: a daemon may not
+    start children of its own (an engine process starts its tensor-parallel workers)."""
+    process = mp.get_context("spawn").Process(target=target, name=name, args=args,
+                                              daemon=daemon)
+    process.start()
+    return process
+
+
+def join_then_kill(processes: Iterable[mp.Process], timeout: float = JOIN_TIMEOUT_S,
+                   terminate: bool = False) -> None:
+    """Waits up to `timeout` for each (SIGTERM first with `terminate`); kills any still
+    running, with a warning naming it."""
+    processes = list(processes)
+    if terminate:
+        for p in processes:
+            if p.is_alive():
+                p.terminate()
+    deadline = time.monotonic() + timeout
+    for p in processes:
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            log.warning("%s did not stop within %g s: killed", p.name, timeout)
+            p.kill()
+            p.join()
+
+
+def first_dead(processes: Iterable[mp.Process], timeout: float) -> mp.Process | None:
+    """Waits up to `timeout` for any of `processes` to exit; the first one found gone, or
+    None. A child's sentinel wakes this at once, with no polling."""
+    processes = list(processes)
+    wait([p.sentinel for p in processes], timeout)
+    return next((p for p in processes if p.exitcode is not None), None)
+
+
+def exit_reason(process: mp.Process) -> str:
+    """How a child ended, for an error message: its exit code, or the signal that killed it."""
+    code = process.exitcode
+    if code is None:
+        return "it is still running"
+    if code < 0:
+        return f"it was killed by signal {-code}"
+    return f"it exited with code {code}"
