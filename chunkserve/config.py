@@ -122,7 +122,7 @@ class ParallelConfig:
     # vLLM's multi-node flags. With one engine the ranks split evenly over `nnodes` machines,
     # node k hosting ranks k*L .. k*L+L-1 (L = ranks_per_node). Node 0 runs the engine and rank
     # 0, whose store listens at master_addr:master_port; the other nodes run only their ranks
-    # (tp_headless.py). With data_parallel_size > 1 the *engines* split over the nodes instead,
+    # (engine/tp/headless.py). With data_parallel_size > 1 the *engines* split over the nodes instead,
     # each with its tensor-parallel ranks on its own node (engine/dp_headless.py).
     nnodes: int = 1
     node_rank: int = 0

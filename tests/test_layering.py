@@ -112,6 +112,41 @@ def test_packages_import_only_downwards() -> None:
     assert not bad, "\n".join(sorted(bad))
 
 
+# serve/ by role: the HTTP plumbing and the leaf modules the handlers read (admission, the
+# metrics, the step stream: "leaf") at the bottom, the OpenAI protocol over them, the other
+# routes over that, and the app and launcher ("top") over all of them.
+SERVE_LEAVES = {"admission", "metrics", "step_stream"}
+SERVE_ALLOWED = {
+    "http": set(),
+    "leaf": set(),
+    "openai": {"http", "leaf"},
+    "routes": {"http", "leaf", "openai"},
+    "top": {"http", "leaf", "openai", "routes"},
+}
+
+
+def _serve_part(module: str) -> str | None:
+    parts = module.split(".")
+    if len(parts) < 3 or parts[1] != "serve":
+        return None
+    if parts[2] in ("http", "openai", "routes"):
+        return parts[2]
+    return "leaf" if parts[2] in SERVE_LEAVES else "top"
+
+
+def test_serve_parts_import_only_downwards() -> None:
+    bad = []
+    for module, targets in _graph().items():
+        src = _serve_part(module)
+        if src is None:
+            continue
+        for target in targets:
+            dst = _serve_part(target)
+            if dst is not None and dst != src and dst not in SERVE_ALLOWED[src]:
+                bad.append(f"{module} imports {target}")
+    assert not bad, "\n".join(sorted(bad))
+
+
 def _model_part(module: str) -> str | None:
     parts = module.split(".")
     return parts[2] if len(parts) > 2 and parts[1] == "model" else None

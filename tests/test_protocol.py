@@ -9,7 +9,7 @@ import pytest
 from pydantic import ValidationError
 
 from chunkserve.serve.openai.chat_protocol import ChatCompletionRequest, TokenizeRequest
-from chunkserve.serve.openai.errors import error_body, validation_error_message
+from chunkserve.serve.http.errors import error_body, validation_error_message
 from chunkserve.serve.openai.bodies import (
     chat_chunk,
     chat_choice,

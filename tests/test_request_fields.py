@@ -19,7 +19,7 @@ from pydantic import ValidationError
 from server_utils import RemoteServer, assert_error
 
 from chunkserve.serve.openai.chat_protocol import ChatCompletionRequest
-from chunkserve.serve.openai.errors import validation_error_message
+from chunkserve.serve.http.errors import validation_error_message
 from chunkserve.serve.openai.protocol import MAX_SEQUENCES, CompletionRequest
 from chunkserve.serve.openai.refused_fields import REFUSED_FIELDS
 

@@ -1,4 +1,4 @@
-"""Tensor parallelism on the CPU (engine/tp/executor.py, tp_group.py, model/tp_layers.py; issue
+"""Tensor parallelism on the CPU (engine/tp/executor.py, engine/tp/group.py, model/tp_layers.py; issue
 30 part 1): two ranks over gloo in spawned processes, each holding its shard, give the same
 greedy tokens as one process under chunked prefill, prefix caching and both preemption modes,
 with KV heads split or replicated; they stop cleanly, and a worker that dies turns the next

@@ -1,5 +1,5 @@
 """Tensor parallelism over several nodes (--nnodes, --node-rank, --master-addr, --master-port;
-engine/tp/headless.py, tp_worker.py; issue 30 part 3), two launches on this machine standing
+engine/tp/headless.py, engine/tp/worker.py; issue 30 part 3), two launches on this machine standing
 in for two: node 1 a headless `chunkserve serve` subprocess, node 0 this process (or a
 subprocess, to be killed). The same greedy tokens as one process; rank 0's stop ends node 1
 with 0, rank 0's death with 1; a SIGKILLed launcher or engine leaves no worker behind; bad

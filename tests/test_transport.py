@@ -6,10 +6,12 @@ reaches a client; one with it is heard; a malformed frame is dropped, never deco
 anything but the message types; and nothing in the package unpickles bytes."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import pathlib
 import re
 import time
+from collections.abc import Iterator
 
 import pytest
 import zmq
@@ -43,7 +45,7 @@ def _send_ready(address: str, keys: Keys | None, index: int = 1) -> None:
 
 
 @pytest.fixture
-def hub() -> EngineHub:
+def hub() -> Iterator[EngineHub]:
     h = EngineHub(b"the right secret", tcp=True)
     yield h
     h.close()
@@ -152,7 +154,8 @@ def test_a_step_reaches_the_tensor_parallel_workers_as_its_runner_reads_it() -> 
     back = step_wire.decode_step(step_wire.encode_step(out))
     s = back.scheduled[0]
     assert (s.token_ids, s.start, s.block_tables, s.samples) == ([9], 3, [[4, 0]], True)
-    assert s.request.sampling_params == req.sampling_params
+    assert (dataclasses.asdict(s.request.sampling_params)
+            == dataclasses.asdict(req.sampling_params))
     assert (s.request.output_token_ids, s.request.eos_token_ids) == ([9], [2])
     assert back.finished_req_ids == ["old"] and back.blocks_to_swap_out == [(1, 2)]
     assert back.grammar_bitmask["r"].tolist() == [-1, 7]

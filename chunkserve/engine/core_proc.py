@@ -98,7 +98,7 @@ def engine_main(spec: EngineSpec, endpoints: Endpoints) -> None:
         except Exception as e:  # noqa: BLE001 - reported to the server, which says it once
             events.send(wire.encode(wire.StartFailed(spec.index, f"{type(e).__name__}: {e}")))
             sys.exit(1)
-        events.send(wire.encode(wire.Ready(spec.index, engine_info(engine))))
+        events.send(wire.encode(wire.Ready(spec.index, wire.EngineInfoSpec.of(engine))))
 
         def emit(ev: LoopEvent) -> None:
             events.send(wire.encode(wire.Event(spec.index, ev)))
@@ -114,14 +114,6 @@ def engine_main(spec: EngineSpec, endpoints: Endpoints) -> None:
         commands.close(linger=0)
         events.close()  # lingers: the last events (its requests' failures) still go out
         ctx.term()
-
-
-def engine_info(engine: object) -> wire.EngineInfoSpec:
-    cc = engine.config.cache_config  # type: ignore[attr-defined]
-    return wire.EngineInfoSpec(
-        engine.config.model_config.model, engine.max_model_len,  # type: ignore[attr-defined]
-        engine.num_kv_blocks, cc.block_size, cc.kv_cache_dtype,  # type: ignore[attr-defined]
-        engine.processor.spec())  # type: ignore[attr-defined]
 
 
 def spawn_engine(spec: EngineSpec, endpoints: Endpoints) -> mp.Process:

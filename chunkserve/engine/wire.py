@@ -8,10 +8,15 @@ send wrong data, never code (nothing here is unpickled).
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import msgspec
 
 from chunkserve.engine.engine_loop import Command, LoopEvent
 from chunkserve.engine.processor import ProcessorSpec
+
+if TYPE_CHECKING:
+    from chunkserve.engine.llm_engine import LLMEngine
 
 
 class EngineInfoSpec(msgspec.Struct, frozen=True):
@@ -23,7 +28,14 @@ class EngineInfoSpec(msgspec.Struct, frozen=True):
     num_kv_blocks: int
     block_size: int
     kv_cache_dtype: str
-    processor: ProcessorSpec
+    processor: ProcessorSpec | None  # None where the receiver holds the Processor itself
+
+    @classmethod
+    def of(cls, engine: LLMEngine, with_processor: bool = True) -> EngineInfoSpec:
+        cc = engine.config.cache_config
+        return cls(engine.config.model_config.model, engine.max_model_len,
+                   engine.num_kv_blocks, cc.block_size, cc.kv_cache_dtype,
+                   engine.processor.spec() if with_processor else None)
 
 
 class Ready(msgspec.Struct, frozen=True, tag=True):

@@ -20,6 +20,7 @@ import shutil
 import tempfile
 import threading
 import time
+from typing import Protocol
 
 import msgspec
 import torch.multiprocessing as mp
@@ -130,6 +131,12 @@ class EngineHub:
         client.on_message(msg)
 
 
+class Watch(Protocol):
+    """What watches a remote engine's node (frontend/remote_engines.py's NodeWatch)."""
+
+    def release(self) -> None: ...
+
+
 class CoreClient:
     """An engine in another process, on this host (`process`) or another node (None: its
     node's launch reports its exit; frontend/remote_engines.py watches the node)."""
@@ -140,7 +147,7 @@ class CoreClient:
         self.node = node
         self.process = process
         self.info: EngineInfo  # set by wait_ready
-        self.watch: object | None = None  # a NodeWatch to release at shutdown
+        self.watch: Watch | None = None  # released at shutdown (frontend/remote_engines.py)
         self._hub = hub
         self._where = "" if node is None else f" (node {node})"
         self._lock = threading.RLock()
@@ -192,7 +199,7 @@ class CoreClient:
         else:
             self._exited.wait(wait)  # its node reports the exit
         if self.watch is not None:
-            self.watch.release()  # type: ignore[attr-defined]
+            self.watch.release()
         self._hub.release()
 
     # ---- from the hub's reader (or the node watch) -------------------------------------------

@@ -39,14 +39,17 @@ class EngineInfo:
 
     @classmethod
     def of(cls, engine: LLMEngine) -> EngineInfo:
-        cc = engine.config.cache_config
-        return cls(engine.config.model_config.model, engine.max_model_len,
-                   engine.num_kv_blocks, cc.block_size, cc.kv_cache_dtype, engine.processor)
+        return cls.from_spec(EngineInfoSpec.of(engine, with_processor=False), engine.processor)
 
     @classmethod
-    def from_spec(cls, spec: EngineInfoSpec) -> EngineInfo:
+    def from_spec(cls, spec: EngineInfoSpec, processor: Processor | None = None) -> EngineInfo:
+        """`processor`: the engine's own, where it is in this process; else built from the
+        spec's (its tokenizer from tokenizer.json)."""
+        if processor is None:
+            assert spec.processor is not None, "an engine of another process sends its own"
+            processor = Processor.from_spec(spec.processor)
         return cls(spec.model, spec.max_model_len, spec.num_kv_blocks, spec.block_size,
-                   spec.kv_cache_dtype, Processor.from_spec(spec.processor))
+                   spec.kv_cache_dtype, processor)
 
 
 class EngineClient(Protocol):

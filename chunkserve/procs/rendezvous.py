@@ -34,6 +34,3 @@ def connect_store(host: str, port: int, timeout: timedelta = TIMEOUT) -> dist.TC
         raise StoreLostError(f"node 0 at {host}:{port} did not answer within "
                              f"{timeout.total_seconds():.0f} s: {first_line(e)}") from e
 
-
-def get_text(store: dist.TCPStore, key: str) -> str:
-    return store.get(key).decode()

@@ -19,7 +19,7 @@ from chunkserve.frontend.async_engine import AsyncEngine
 from chunkserve.serve.routes.cache import router as cache_router
 from chunkserve.frontend.engine_client import EngineClient, InProcessClient
 from chunkserve.serve.openai.chat_protocol import TokenizeRequest
-from chunkserve.serve.openai.errors import error_body, validation_error_message
+from chunkserve.serve.http.errors import error_body, validation_error_message
 from chunkserve.serve.metrics import ServerMetrics
 from chunkserve.serve.http.middleware import EdgeMiddleware
 from chunkserve.serve.openai.endpoints import router as openai_router
@@ -92,7 +92,7 @@ def build_app(
     app = FastAPI(title="chunkserve", version=__version__, lifespan=lifespan)
     open_paths = OPEN_PATHS - ({"/metrics"} if metrics_require_key else set())
     if web_ui:
-        open_paths |= PAGE_PATHS  # the page's static files only (web_endpoints.py says why)
+        open_paths |= PAGE_PATHS  # the page's static files only (routes/web.py says why)
     app.add_middleware(EdgeMiddleware, max_body_bytes=max_body_bytes, api_key=api_key,
                        open_paths=open_paths)
     # The routers reach these through the request (serving.get_serving), never an import.

@@ -3,13 +3,13 @@
 Rank 0 runs in the engine's process; ranks 1..N-1 are workers started with torch.multiprocessing
 `spawn`. Every rank loads its own shard of the model (model/parallel.py: heads, MLP rows and a
 vocabulary slice; model/tp_layers.py: the all-reduces and the logits' all-gather on the ranks'
-gloo group, tp_group.py) and its own KV pool, of its KV heads. Only rank 0 schedules: every step
+gloo group, engine/tp/group.py) and its own KV pool, of its KV heads. Only rank 0 schedules: every step
 its scheduler output reaches the workers once (a broadcast), every rank builds its own tensors
 and runs the step in lockstep (the collectives inside the model keep them together), and rank
 0's sampled tokens are the step's. The engine loop does not change: it sees one Executor.
 
 Over several machines (--nnodes) the ranks split evenly: node 0 holds rank 0 and the next
-ranks as its workers, every other node runs only its own (tp_headless.py); all meet at rank
+ranks as its workers, every other node runs only its own (engine/tp/headless.py); all meet at rank
 0's store, at --master-addr:--master-port.
 """
 from __future__ import annotations
@@ -25,15 +25,14 @@ from torch.distributed import TCPStore
 from chunkserve.config import EngineConfig, ParallelConfig
 from chunkserve.procs.cpu_binding import bind_this_thread, rank_cores, threads
 from chunkserve.procs.lifecycle import exit_reason, first_dead, join_then_kill
+from chunkserve.procs.rendezvous import first_line
 from chunkserve.core.sched_output import SchedulerOutput
 from chunkserve.engine.executor import FatalExecutorError, RunnerOutput
 from chunkserve.engine.tp import step_wire
 from chunkserve.engine.tp.group import TIMEOUT, Rendezvous, TPGroup
 from chunkserve.engine.tp.worker import (
-    first_line,
     load_rank,
     start_workers,
-    stop_workers,
     with_resolved_device,
 )
 
@@ -73,7 +72,7 @@ class TensorParallelExecutor:
             self.loaded, self.config, self.runner = load_rank(config, self.group)
         except BaseException:
             self._unbind()
-            stop_workers(self.workers, terminate=True)  # no engine for them to serve
+            join_then_kill(self.workers, terminate=True)  # no engine for them to serve
             raise
         self.num_kv_blocks = self.runner.num_kv_blocks
         self.num_swap_blocks = self.runner.num_swap_blocks

@@ -27,7 +27,7 @@ from chunkserve.procs.rendezvous import host_store
 TIMEOUT = timedelta(seconds=120)
 # A worker's wait for rank 0's next step has no deadline of its own: a server may idle for
 # days. A rank 0 that dies ends the wait at once (its sockets close); one that goes silent
-# (a node's power or network lost) ends it through the worker's watch (tp_worker.py).
+# (a node's power or network lost) ends it through the worker's watch (engine/tp/worker.py).
 IDLE_WAIT = timedelta(days=3650)
 
 

@@ -1,5 +1,5 @@
 """A secondary node of a multi-node tensor-parallel group (vLLM's "headless" node): only its
-ranks, as worker processes (tp_worker.py); no scheduler, no HTTP server. Node 0's engine
+ranks, as worker processes (engine/tp/worker.py); no scheduler, no HTTP server. Node 0's engine
 drives them and sends their engine config.
 
 This process only watches its workers. It exits 0 when rank 0 stops the group (every worker
@@ -12,12 +12,12 @@ from __future__ import annotations
 import logging
 import signal
 import threading
-from multiprocessing.connection import wait
 
 from chunkserve.config import EngineConfig
 from chunkserve.engine.tp.group import Rendezvous
 from chunkserve.procs.cpu_binding import rank_cores
-from chunkserve.engine.tp.worker import start_workers, stop_workers
+from chunkserve.engine.tp.worker import start_workers
+from chunkserve.procs.lifecycle import first_dead, join_then_kill
 
 log = logging.getLogger("chunkserve.headless")
 
@@ -43,7 +43,7 @@ def run_headless(config: EngineConfig) -> int:
              " ".join(str(w.pid) for w in workers), pc.master_addr, pc.master_port)
     try:
         while not stop.is_set():
-            wait([w.sentinel for w in workers if w.exitcode is None], POLL_S)
+            first_dead([w for w in workers if w.exitcode is None], POLL_S)
             failed = [w for w in workers if w.exitcode not in (None, 0)]
             if failed:
                 log.error("%s; stopping this node", ", ".join(
@@ -55,6 +55,6 @@ def run_headless(config: EngineConfig) -> int:
         log.info("stopping this node's ranks")
         return 0
     finally:
-        stop_workers(workers, terminate=True)
+        join_then_kill(workers, terminate=True)
         for sig, handler in handlers.items():
             signal.signal(sig, handler)

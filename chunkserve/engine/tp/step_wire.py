@@ -21,11 +21,20 @@ from chunkserve.sampling_params import SamplingParams
 STOP_FRAME = b""
 
 
+class _Checked(SamplingParams):
+    """A request's parameters as rank 0 accepted them. Checked once, where the request came in
+    (engine/processor.py); a worker takes them as they are, so that it samples exactly the
+    rows rank 0 samples, and a row only rank 0 could refuse never stops the group."""
+
+    def _verify(self) -> None:
+        pass
+
+
 class _Request(msgspec.Struct, array_like=True):
     request_id: str
     prompt_token_ids: list[int]
     output_token_ids: list[int]
-    sampling_params: SamplingParams
+    sampling_params: _Checked
     eos_token_ids: list[int]
 
 

@@ -1,6 +1,6 @@
 """A tensor-parallel worker: one rank other than 0, in a process of its own, started by the
-engine's executor on node 0 (tp_executor.py) or by a headless launch on another node
-(tp_headless.py).
+engine's executor on node 0 (engine/tp/executor.py) or by a headless launch on another node
+(engine/tp/headless.py).
 
 A worker never outlives what it serves: it exits when rank 0 broadcasts stop (0), when the
 group fails under it (1: rank 0 or another rank gone), when the process that started it is
@@ -23,7 +23,7 @@ import torch.multiprocessing as mp
 
 from chunkserve.config import EngineConfig
 from chunkserve.procs.cpu_binding import bind_this_thread, threads
-from chunkserve.procs.lifecycle import join_then_kill, spawn
+from chunkserve.procs.lifecycle import spawn
 from chunkserve.procs.parent_watch import exit_with_parent
 from chunkserve.procs.rendezvous import first_line
 from chunkserve.engine.tp import step_wire
@@ -76,12 +76,6 @@ def start_workers(ranks: range, rendezvous: Rendezvous,
     specs = [WorkerSpec(rank, rendezvous, c, threads(c, num_local), own_config)
              for rank, c in zip(ranks, cores, strict=True)]
     return [spawn(worker_main, f"tp-rank-{spec.rank}", (spec,), daemon=True) for spec in specs]
-
-
-def stop_workers(workers: list[mp.Process], terminate: bool = False) -> None:
-    """Waits for the workers (SIGTERM first with `terminate`); kills any still running after
-    the join timeout."""
-    join_then_kill(workers, terminate=terminate)
 
 
 def worker_main(spec: WorkerSpec) -> None:

@@ -30,7 +30,7 @@ from typing import Any
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from chunkserve.serve.openai.errors import error_body
+from chunkserve.serve.http.errors import error_body
 
 log = logging.getLogger("chunkserve.server")
 

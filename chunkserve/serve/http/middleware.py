@@ -12,7 +12,7 @@ import logging
 from typing import Any
 
 from chunkserve.serve.http.heap import LARGE_BODY_BYTES, HeapGuard
-from chunkserve.serve.openai.errors import error_body
+from chunkserve.serve.http.errors import error_body
 
 log = logging.getLogger("chunkserve.server")
 

@@ -17,7 +17,7 @@ from chunkserve.serve.openai.tools.validation import (
     check_tools,
     template_tool_call,
 )
-from chunkserve.serve.openai.errors import field_error
+from chunkserve.serve.http.errors import field_error
 from chunkserve.serve.openai.protocol import MAX_LOGPROBS, BaseRequest, SamplingRequest
 from chunkserve.serve.openai.tools.tool_choice import tool_choice_constraint
 

@@ -15,7 +15,7 @@ from chunkserve.outputs import RequestOutput
 from chunkserve.serve.openai import bodies as R
 from chunkserve.frontend.async_engine import Ticket
 from chunkserve.serve.openai.chat_protocol import ChatCompletionRequest
-from chunkserve.serve.openai.errors import error_body
+from chunkserve.serve.http.errors import error_body
 from chunkserve.serve.openai.protocol import CompletionRequest
 from chunkserve.serve.http.sse import SSEResponse, until_disconnect
 from chunkserve.serve.openai.serving import ApiError, Serving, get_serving

@@ -3,7 +3,7 @@
 
 Chat requests (and /tokenize, which takes chat messages) are in serve/openai/chat_protocol.py; the
 fields refused or accepted as harmless in serve/openai/refused_fields.py; the error body a failed check
-becomes in serve/openai/errors.py.
+becomes in serve/http/errors.py.
 
 Sampling values (temperature, top_p, ...) are deliberately not range-checked here:
 `SamplingParams` owns those rules, and `to_sampling_params` lets its ValueError through for the
@@ -23,7 +23,7 @@ from chunkserve.sampling_params import (
     SamplingParams,
     StructuredOutputsParams,
 )
-from chunkserve.serve.openai.errors import encodable, field_error
+from chunkserve.serve.http.errors import encodable, field_error
 from chunkserve.serve.openai.refused_fields import check_refused_fields, known_extra_field
 from chunkserve.serve.openai.structured_fields import structured_outputs_of
 
@@ -226,7 +226,7 @@ class CompletionRequest(SamplingRequest):
     # With logprobs, the prompt tokens' logprobs come first (vLLM's prompt_logprobs).
     echo: bool = False
     # vLLM V0's best_of: that many samples per prompt, the n most likely returned (see
-    # openai_endpoints._best_of). Null means n.
+    # openai/endpoints.py's _best_of). Null means n.
     best_of: int | None = Field(default=None, ge=1, le=MAX_SEQUENCES)
     # vLLM's: whether a text prompt is tokenized with the model's special tokens (BOS).
     add_special_tokens: bool = True

@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 
 from pydantic import BaseModel
 
-from chunkserve.serve.openai.errors import field_error
+from chunkserve.serve.http.errors import field_error
 
 
 class Refused(NamedTuple):

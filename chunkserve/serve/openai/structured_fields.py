@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from chunkserve.sampling_params import StructuredOutputsParams
-from chunkserve.serve.openai.errors import field_error
+from chunkserve.serve.http.errors import field_error
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
            "guided_grammar": "grammar"}

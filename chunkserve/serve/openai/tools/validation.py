@@ -11,7 +11,7 @@ import json
 import logging
 from typing import Any
 
-from chunkserve.serve.openai.errors import field_error
+from chunkserve.serve.http.errors import field_error
 
 log = logging.getLogger("chunkserve.server")
 
