@@ -4,9 +4,10 @@ The HTTP side never touches an engine's state. It sends commands (engine/engine_
 engine's loop through that engine's client (frontend/engine_client.py): one loop on the compute
 thread, or, under `--data-parallel-size N`, N engine processes (frontend/engines.py), each
 request routed by `DPRouter` (frontend/dp_router.py). Each loop's events come back to `_handle`,
-which runs on whatever thread delivered them: it updates the metrics, which are thread-safe,
-and hands each request's outputs to its asyncio queue with `call_soon_threadsafe`; the
-bookkeeping that admission and the router read is updated on the event loop itself.
+which runs on whatever thread delivered them: it hands each event to the observers (the
+server's metrics and step stream, which are thread-safe), and each request's outputs to its
+asyncio queue with `call_soon_threadsafe`; the bookkeeping that admission and the router read
+is updated on the event loop itself.
 """
 from __future__ import annotations
 
