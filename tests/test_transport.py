@@ -22,6 +22,7 @@ from chunkserve.engine.channel import Keys, engine_socket, secret_from_env
 from chunkserve.engine.engine_loop import (
     STOP, Abort, Add, EngineDeadError, LoopError, LoopEvent, RequestFailedError, ShuttingDownError,
 )
+from chunkserve.engine.output_tails import OutputReceiver, OutputSender
 from chunkserve.engine.processor import EngineRequest, ProcessorSpec
 from chunkserve.frontend.core_client import CoreClient, EngineHub
 from chunkserve.sampling_params import SamplingParams
@@ -98,16 +99,19 @@ def test_a_malformed_frame_is_dropped_with_a_log_line(hub: EngineHub,
 def test_commands_and_events_round_trip_as_their_types() -> None:
     request = EngineRequest("r1", "hi", [1, 2, 3], SamplingParams(max_tokens=4, seed=3), [2])
     for command in (Add(request), Abort("r1"), STOP):
-        assert wire.decode_command(wire.encode(command)) == command
+        assert wire.decode_command(wire.command_frames(command)) == command
     errors = [ShuttingDownError("bye"), EngineDeadError("gone"), RequestFailedError("row", 400),
               ValueError("bad"), RuntimeError("boom")]
     ev = LoopEvent(errors=[(f"r{i}", LoopError.of(e)) for i, e in enumerate(errors)])
-    back = wire.decode_message(wire.encode(wire.Event(0, ev)))
-    assert isinstance(back, wire.Event) and back.event == ev
-    for (_, err), original in zip(back.event.errors, errors, strict=True):
+    frames = wire.event_frames(0, ev, OutputSender())
+    msg = wire.decode_message(frames[0])
+    assert isinstance(msg, wire.Event)
+    back = wire.restore_event(msg, frames, OutputReceiver())
+    assert back == ev
+    for (_, err), original in zip(back.errors, errors, strict=True):
         exc = err.exception()
         assert type(exc) is type(original) and str(exc) == str(original)
-    assert back.event.errors[2][1].exception().status == 400  # type: ignore[attr-defined]
+    assert back.errors[2][1].exception().status == 400  # type: ignore[attr-defined]
 
 
 def test_the_secret_comes_from_the_environment_or_a_file(monkeypatch: pytest.MonkeyPatch,

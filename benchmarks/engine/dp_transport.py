@@ -14,6 +14,7 @@ worktree` of the commit before a transport change), alternating the two --rounds
 this one run, so that a neighbour's burst spoils a round, not a column.
 
     .venv/bin/python benchmarks/engine/dp_transport.py [--compare /tmp/before] [--rounds 3]
+        [--requests 16 --prompt-len 1000]
 """
 from __future__ import annotations
 
@@ -71,7 +72,8 @@ def measure(args: argparse.Namespace) -> dict[str, float]:
         for c in clients:
             for r in range(args.requests):
                 processor = c.info.processor if hasattr(c.info, "processor") else None
-                req = processor.process_inputs(f"e{c.index}-r{r}", [1 + r, 2, 3, 4], params)
+                prompt = [1 + r, *range(2, 1 + args.prompt_len)]  # distinct: no shared prefix
+                req = processor.process_inputs(f"e{c.index}-r{r}", prompt, params)
                 c.send(Add(req))
         for _ in range(len(clients) * args.requests):
             done.acquire(timeout=120)
@@ -96,7 +98,7 @@ def run_checkout(path: str, args: argparse.Namespace) -> dict[str, float]:
     """One measurement in a fresh interpreter that imports chunkserve from `path`."""
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--model", args.model,
            "--requests", str(args.requests), "--max-tokens", str(args.max_tokens),
-           "--pings", str(args.pings)]
+           "--pings", str(args.pings), "--prompt-len", str(args.prompt_len)]
     env = {**os.environ, "PYTHONPATH": path}
     out = subprocess.run(cmd, env=env, cwd=path, check=True, capture_output=True, text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -107,6 +109,8 @@ def main() -> None:
     p.add_argument("--model", default="tiny-llama")
     p.add_argument("--requests", type=int, default=4, help="decoding requests per engine")
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, default=4,
+                   help="prompt tokens per request (each step's outputs repeat them)")
     p.add_argument("--pings", type=int, default=200)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--compare", help="another checkout, measured alternately in this run")
@@ -118,7 +122,8 @@ def main() -> None:
     sys.path.insert(0, ROOT)
     from benchmarks.common.host import cpu_model
 
-    print(f"# {cpu_model()}; tiny-llama, -dp 2, {args.requests} decoding requests per engine")
+    print(f"# {cpu_model()}; {args.model}, -dp 2, {args.requests} decoding requests per engine, "
+          f"{args.prompt_len}-token prompts, {args.max_tokens} output tokens")
     checkouts = {"this": ROOT, **({"compare": args.compare} if args.compare else {})}
     results: dict[str, list[dict[str, float]]] = {k: [] for k in checkouts}
     for _ in range(args.rounds):

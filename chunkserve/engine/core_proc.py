@@ -23,6 +23,7 @@ from chunkserve.config import EngineConfig
 from chunkserve.engine import wire
 from chunkserve.engine.channel import Keys, engine_socket
 from chunkserve.engine.engine_loop import EngineLoop, LoopEvent
+from chunkserve.engine.output_tails import OutputSender
 from chunkserve.engine.profiler import engine_profiler
 from chunkserve.procs.cpu_binding import ENV, explicit_lists, rank_cores
 from chunkserve.procs.gpu_placement import VISIBLE_ENV, engine_gpus
@@ -64,7 +65,7 @@ class SocketCommands:
         wait_ms = 0 if not block else None if timeout is None else int(1000 * timeout)
         if not self._sock.poll(wait_ms):
             raise queue.Empty
-        return wire.decode_command(self._sock.recv())
+        return wire.decode_command(self._sock.recv_multipart())
 
     def get_nowait(self) -> object:
         return self.get(block=False)
@@ -100,8 +101,10 @@ def engine_main(spec: EngineSpec, endpoints: Endpoints) -> None:
             sys.exit(1)
         events.send(wire.encode(wire.Ready(spec.index, wire.EngineInfoSpec.of(engine))))
 
+        sender = OutputSender()
+
         def emit(ev: LoopEvent) -> None:
-            events.send(wire.encode(wire.Event(spec.index, ev)))
+            events.send_multipart(wire.event_frames(spec.index, ev, sender))
 
         try:
             EngineLoop(engine, SocketCommands(commands), emit,

@@ -130,7 +130,9 @@ class LoopEvent(msgspec.Struct):
     outputs: list[tuple[str, RequestOutput, int]] = msgspec.field(default_factory=list)
     errors: list[tuple[str, LoopError]] = msgspec.field(default_factory=list)  # (id, why)
     record: StepRecord | None = None  # the step run, if any
-    num_aborted: int = 0  # aborts that emitted no final output (vllm:request_success "abort")
+    # Requests aborted without a final output (vllm:request_success "abort"): by id, so that
+    # whoever keeps per-request state across events (engine/output_tails.py) can let it go.
+    aborted: list[str] = msgspec.field(default_factory=list)
     num_applied: int = 0  # adds applied so far (the front end counts the ones it sent)
     stats: EngineStats | None = None  # the engine's state after this pass
     reset_answers: list[tuple[int, int]] = msgspec.field(default_factory=list)  # (token, result)
@@ -221,7 +223,7 @@ class EngineLoop:
         elif isinstance(cmd, Abort):
             if self._num_tokens.pop(cmd.request_id, None) is not None:
                 self.engine.abort_request(cmd.request_id)
-                ev.num_aborted += 1
+                ev.aborted.append(cmd.request_id)
         elif isinstance(cmd, ResetPrefixCache):
             ev.reset_answers.append((cmd.token, self.engine.reset_prefix_cache()))
         elif isinstance(cmd, (StartProfile, StopProfile)):
@@ -285,7 +287,7 @@ class EngineLoop:
         wire = LoopError.of(error)
         for rid in ids:
             self._event.errors.append((rid, wire))
-        self._event.num_aborted += len(ids)
+        self._event.aborted.extend(ids)
         self._num_tokens.clear()
 
     def _flush(self) -> None:

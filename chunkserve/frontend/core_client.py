@@ -30,6 +30,7 @@ from chunkserve.engine import wire
 from chunkserve.engine.channel import Guard, Keys, server_socket
 from chunkserve.engine.core_proc import Endpoints, routing_id
 from chunkserve.engine.engine_loop import STOP, LoopEvent
+from chunkserve.engine.output_tails import OutputReceiver
 from chunkserve.frontend.engine_client import EngineInfo, EventHandler
 from chunkserve.procs.lifecycle import JOIN_TIMEOUT_S, POLL_S, join_then_kill
 
@@ -71,12 +72,12 @@ class EngineHub:
 
     def send(self, index: int, command: object) -> None:
         """Sends engine `index` a command; retried briefly while its connection comes up."""
-        frame = wire.encode(command)
+        frames = wire.command_frames(command)
         deadline = time.monotonic() + SEND_RETRY_S
         with self._send_lock:
             while True:
                 try:
-                    self._commands.send_multipart([routing_id(index), frame])
+                    self._commands.send_multipart([routing_id(index), *frames])
                     return
                 except zmq.ZMQError as e:
                     if e.errno != errno.EHOSTUNREACH or time.monotonic() > deadline:
@@ -107,28 +108,28 @@ class EngineHub:
         next_check = 0.0
         while not self._stop.is_set():
             if self._events.poll(int(POLL_S * 1000)):
-                self._dispatch(self._events.recv())
+                self._dispatch(self._events.recv_multipart())
             if time.monotonic() < next_check:
                 continue
             next_check = time.monotonic() + POLL_S
             for client in list(self._clients.values()):
                 if client.process_exited():
                     while self._events.poll(50):  # its last words first
-                        self._dispatch(self._events.recv())
+                        self._dispatch(self._events.recv_multipart())
                     client.on_message(client.exit_report())
 
-    def _dispatch(self, frame: bytes) -> None:
+    def _dispatch(self, frames: list[bytes]) -> None:
         try:
-            msg = wire.decode_message(frame)
+            msg = wire.decode_message(frames[0])
         except msgspec.DecodeError as e:
-            log.error("dropped a malformed engine message (%d bytes): %s", len(frame), e)
+            log.error("dropped a malformed engine message (%d bytes): %s", len(frames[0]), e)
             return
         client = self._clients.get(msg.index)
         if client is None:
             log.error("dropped a message from engine %d, which this server does not run",
                       msg.index)
             return
-        client.on_message(msg)
+        client.on_message(msg, frames)
 
 
 class Watch(Protocol):
@@ -158,6 +159,7 @@ class CoreClient:
         self._exited = threading.Event()
         self._stopping = False
         self._fatal_seen = False
+        self._outputs = OutputReceiver()  # its outputs' lists so far (engine/output_tails.py)
         hub.attach(self)
 
     # ---- the front end's EngineClient ---------------------------------------------------------
@@ -215,13 +217,19 @@ class CoreClient:
         code = self.process.exitcode if self.process is not None else None
         return wire.Exited(self.index, code, f"its process exited with code {code}")
 
-    def on_message(self, msg: wire.EngineMessage) -> None:
+    def on_message(self, msg: wire.EngineMessage, frames: list[bytes] | None = None) -> None:
+        """`frames`: the message's frames as received (an Event's ids ride in the second)."""
         with self._lock:
             if isinstance(msg, wire.Event):
                 if self._exited.is_set():
                     return
-                self._fatal_seen = self._fatal_seen or msg.event.fatal is not None
-                self._deliver(msg.event)
+                try:
+                    ev = wire.restore_event(msg, frames or [], self._outputs)
+                except ValueError as e:
+                    log.error("dropped a malformed event of engine %d: %s", self.index, e)
+                    return
+                self._fatal_seen = self._fatal_seen or ev.fatal is not None
+                self._deliver(ev)
             elif isinstance(msg, wire.Ready):
                 self.info = EngineInfo.from_spec(msg.info)
                 self._ready.set()

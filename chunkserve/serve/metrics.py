@@ -244,7 +244,7 @@ class ServerMetrics:
             self.observe_step(ev.record, index)
         for _, out, new in ev.outputs:
             self.observe_output(out, new)
-        for _ in range(ev.num_aborted):
+        for _ in ev.aborted:
             self.observe_aborted()
         if ev.stats is not None:
             s = ev.stats
