@@ -12,8 +12,6 @@ engines stopped first). Its engines exit when it does, even by SIGKILL (procs/pa
 from __future__ import annotations
 
 import logging
-import signal
-import threading
 from dataclasses import replace
 
 import torch.multiprocessing as mp
@@ -26,7 +24,7 @@ from chunkserve.engine.channel import Keys, engine_socket, require_secret
 from chunkserve.engine.core_proc import Endpoints, engine_specs, spawn_engine
 from chunkserve.engine.dp_rendezvous import beat_key, joined_key, read_published
 from chunkserve.engine.tp.worker import warn_if_flags_differ
-from chunkserve.procs.lifecycle import first_dead, join_then_kill
+from chunkserve.procs.lifecycle import supervise
 from chunkserve.procs.rendezvous import StoreLostError, connect_store
 
 log = logging.getLogger("chunkserve.headless")
@@ -115,32 +113,29 @@ def _check_layout(own: ParallelConfig, mine: EngineConfig, reporter: _Reporter) 
 def _watch(store: TCPStore, node: int, engines: list[_Engine], reporter: _Reporter) -> int:
     """Beats, and reports each engine's exit, until every engine has ended (0, or 1 if any
     failed), a signal (0: the engines are stopped first) or the loss of node 0's store (1)."""
-    stop = threading.Event()
-    handlers = {sig: signal.signal(sig, lambda *_: stop.set())
-                for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        while not stop.is_set():
-            first_dead([e.process for e in engines if e.process.exitcode is None], BEAT_S)
-            store.add(beat_key(node), 1)
-            for e in engines:
-                code = e.process.exitcode
-                if code is not None:
-                    reporter.exited(e, "stopped" if code == 0 else
-                                    f"its process on node {node} exited with code {code}")
-            if all(e.reported for e in engines):
-                failed = [e for e in engines if e.process.exitcode != 0]
-                log.info("every engine of this node has ended%s",
-                         f"; {len(failed)} failed" if failed else "")
-                return 1 if failed else 0
+    by_process = {id(e.process): e for e in engines}
+    signalled: list[bool] = []
+
+    def on_exit(p: mp.Process) -> None:
+        code = p.exitcode
+        reporter.exited(by_process[id(p)], "stopped" if code == 0 else
+                        f"its process on node {node} exited with code {code}")
+
+    def on_signal() -> None:
+        signalled.append(True)
         log.info("stopping this node's engines")
         # Node 0 hears first, so that their requests fail with this reason, not a lost engine's.
         for e in engines:
             reporter.exited(e, f"node {node} is shutting down")
-        return 0
+
+    try:
+        status = supervise([e.process for e in engines], BEAT_S, fail_fast=False,
+                           on_exit=on_exit, tick=lambda: store.add(beat_key(node), 1),
+                           on_signal=on_signal)
     except (StoreLostError, RuntimeError) as e:
-        log.error("node 0's store is gone (%s): stopping this node's engines", e)
+        log.error("node 0's store is gone (%s): this node's engines are stopped", e)
         return 1
-    finally:
-        join_then_kill([e.process for e in engines], terminate=True)
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
+    if not signalled:
+        failed = sum(e.process.exitcode != 0 for e in engines)
+        log.info("every engine of this node has ended%s", f"; {failed} failed" if failed else "")
+    return status

@@ -1,4 +1,5 @@
-"""Spawning a child, asking whether it lives, and ending it: join, then kill.
+"""Spawning a child, asking whether it lives, and ending it: join, then kill; and a headless
+node's one watch over its children (`supervise`).
 
 Every child is started with multiprocessing's `spawn` (a fresh interpreter: no forked
 OpenMP or CUDA state) and ended the same way: asked to stop by its owner (a command, a
@@ -8,8 +9,10 @@ shutdown's worst case is known.
 from __future__ import annotations
 
 import logging
+import signal
+import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from multiprocessing.connection import wait
 from typing import Any
 
@@ -64,3 +67,45 @@ def exit_reason(process: mp.Process) -> str:
     if code < 0:
         return f"it was killed by signal {-code}"
     return f"it exited with code {code}"
+
+
+def _nothing(*_: object) -> None:
+    return None
+
+
+def supervise(children: Sequence[mp.Process], poll_s: float, *, fail_fast: bool,
+              on_exit: Callable[[mp.Process], None] = _nothing,
+              tick: Callable[[], object] = _nothing,
+              on_signal: Callable[[], None] = _nothing) -> int:
+    """A headless node's life (engine/tp/headless.py, engine/dp_headless.py): watches its
+    children until they end or SIGTERM/SIGINT arrives; the node's exit status.
+
+    Each pass waits up to `poll_s` for a child to die (its sentinel wakes it at once), calls
+    `tick` (a beat; what it raises ends the watch, and propagates), then `on_exit` once for
+    each child found gone. The status: 1 as soon as a child fails with `fail_fast` (a
+    tensor-parallel group is dead with one rank gone), else 1 or 0 once every child has
+    exited, by whether any failed; 0 on a signal, after `on_signal`. Whatever ends the watch,
+    the children still running are stopped (SIGTERM, then JOIN_TIMEOUT_S, then killed)."""
+    stop = threading.Event()
+    handlers = {sig: signal.signal(sig, lambda *_: stop.set())
+                for sig in (signal.SIGTERM, signal.SIGINT)}
+    seen: set[int] = set()
+    try:
+        while not stop.is_set():
+            first_dead([p for p in children if p.exitcode is None], poll_s)
+            tick()
+            for i, p in enumerate(children):
+                if p.exitcode is not None and i not in seen:
+                    seen.add(i)
+                    on_exit(p)
+            failed = any(p.exitcode not in (None, 0) for p in children)
+            if failed and fail_fast:
+                return 1
+            if len(seen) == len(children):
+                return 1 if failed else 0
+        on_signal()
+        return 0
+    finally:
+        join_then_kill(children, terminate=True)
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)

@@ -19,8 +19,10 @@ from chunkserve.engine.compute_thread import ComputeThread
 from chunkserve.serve.http.heap import configure_allocator
 from chunkserve.serve.http.h11_protocol import ConnectionLimits, protocol_class
 from chunkserve.serve.openai.tools.parsers import TOOL_CALL_PARSERS
+from chunkserve.serve.server_config import PROFILER_DIR_ENV, ServerConfig
 
 if TYPE_CHECKING:
+    from chunkserve.config import EngineConfig
     from chunkserve.engine.llm_engine import LLMEngine
     from chunkserve.frontend.engine_client import EngineClient
 
@@ -32,7 +34,6 @@ log = logging.getLogger("chunkserve.server")
 SHUTDOWN_GRACE_S = 5.0
 STOP_RESERVE_S = 1.0
 UVICORN_STARTUP_FAILURE = 3  # what `uvicorn.run` exits with when it cannot start
-PROFILER_DIR_ENV = "VLLM_TORCH_PROFILER_DIR"  # vLLM's; --profiler-dir wins over it
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
@@ -129,95 +130,79 @@ class _Server(uvicorn.Server):
         yield
 
 
-def build_engine(args: argparse.Namespace) -> LLMEngine:
+def build_engine(config: EngineConfig) -> LLMEngine:
     from chunkserve.engine.llm_engine import LLMEngine  # torch: not for `--help`
 
-    engine = LLMEngine.from_config(config_from_args(args))
+    engine = LLMEngine.from_config(config)
     engine.commit_kv_memory()  # RSS is flat from the start, not creeping up to it while serving
     return engine
 
 
-def _build_engines(args: argparse.Namespace) -> list[EngineClient]:
+def _build_engines(config: EngineConfig, profiler_dir: str | None) -> list[EngineClient]:
     """One engine built on the thread its loop will run on (one OpenMP pool:
     engine/compute_thread.py), or --data-parallel-size engine processes."""
-    if args.data_parallel_size > 1:
+    if config.parallel_config.data_parallel_size > 1:
         from chunkserve.frontend.engines import start_engines
 
-        return start_engines(config_from_args(args), profiler_dir=args.profiler_dir)
+        return start_engines(config, profiler_dir=profiler_dir)
     from chunkserve.frontend.engine_client import InProcessClient
 
     compute = ComputeThread()
-    return [InProcessClient(compute.call(lambda: build_engine(args)), compute,
-                            profiler_dir=args.profiler_dir)]
+    return [InProcessClient(compute.call(lambda: build_engine(config)), compute,
+                            profiler_dir=profiler_dir)]
 
 
-def _run_headless(args: argparse.Namespace) -> int:
+def _run_headless(config: EngineConfig, profiler_dir: str | None) -> int:
     """Node k > 0: its share of the data-parallel engines, or of one engine's ranks."""
-    config = config_from_args(args)  # verified: the flags' errors come before any connection
-    if args.data_parallel_size > 1:
+    if config.parallel_config.data_parallel_size > 1:
         from chunkserve.engine.dp_headless import run_dp_headless
 
-        return run_dp_headless(config, _profiler_dir(args))
+        return run_dp_headless(config, profiler_dir)
     from chunkserve.engine.tp.headless import run_headless
 
     return run_headless(config)
 
 
-def _profiler_dir(args: argparse.Namespace) -> str | None:
-    """--profiler-dir, else $VLLM_TORCH_PROFILER_DIR, checked (and created) before any model
-    loads; None when neither is set."""
-    from chunkserve.engine.profiler import check_profiler_dir  # torch: not for `--help`
-
-    if args.profiler_dir:
-        return check_profiler_dir(args.profiler_dir, "--profiler-dir")
-    env = os.environ.get(PROFILER_DIR_ENV)
-    return check_profiler_dir(env, PROFILER_DIR_ENV) if env else None
-
-
 def run_server(args: argparse.Namespace) -> int:
-    from chunkserve.serve.app import begin_shutdown, build_app
-
+    """`serve`: the flags read once, into the server's settings and the engine's config
+    (each checked: a ValueError is the CLI's one-line error), then nothing reads `args`."""
     if args.model_tag is not None:
         args.model = args.model_tag
-    if args.node_rank > 0:  # a secondary node: its ranks or engines only (no HTTP server)
-        return _run_headless(args)
-    if args.max_waiting_requests is not None and args.max_waiting_requests < 1:
-        raise ValueError("--max-waiting-requests must be at least 1")
-    if not args.shutdown_timeout >= 0:
-        raise ValueError("--shutdown-timeout must be non-negative")
-    if args.limit_concurrency is not None and args.limit_concurrency < 1:
-        raise ValueError("--limit-concurrency must be at least 1")
-    if not args.timeout_keep_alive > 0:
-        raise ValueError("--timeout-keep-alive must be positive")
-    if args.enable_auto_tool_choice and args.tool_call_parser is None:
-        raise ValueError("--enable-auto-tool-choice requires --tool-call-parser "
-                         f"(one of {', '.join(sorted(TOOL_CALL_PARSERS))})")
-    args.profiler_dir = _profiler_dir(args)
+    server_config = ServerConfig.from_args(args)
+    config = config_from_args(args)  # checked: its errors come before any connection or load
+    if config.parallel_config.node_rank > 0:  # a secondary node: no HTTP server
+        return _run_headless(config, server_config.profiler_dir)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     configure_allocator()  # before the engine's and the tokenizer's threads allocate (serve/http/heap.py)
-    name = args.served_model_name or args.model
-    app = build_app(_build_engines(args), name, args.api_key, args.max_waiting_requests,
-                    metrics_require_key=args.metrics_require_key,
-                    enable_dev_endpoints=args.enable_dev_endpoints,
-                    tool_call_parser=(args.tool_call_parser if args.enable_auto_tool_choice
-                                      else None),
-                    profiler_dir=args.profiler_dir, web_ui=args.web_ui)
-    limits = ConnectionLimits(args.header_timeout, args.body_timeout, args.limit_concurrency,
-                              on_reject=app.state.metrics.count_rejected)
+    return _serve(server_config, _build_engines(config, server_config.profiler_dir),
+                  config.model_config.model)
+
+
+def _serve(sc: ServerConfig, engines: list[EngineClient], model: str) -> int:
+    """Runs the app over `engines` until SIGTERM/SIGINT or a dead engine; exits the process."""
+    from chunkserve.serve.app import begin_shutdown, build_app
+
+    name = sc.served_model_name or model
+    app = build_app(engines, name, sc.api_key, sc.max_waiting_requests,
+                    metrics_require_key=sc.metrics_require_key,
+                    enable_dev_endpoints=sc.enable_dev_endpoints,
+                    tool_call_parser=sc.auto_tool_parser, profiler_dir=sc.profiler_dir,
+                    web_ui=sc.web_ui)
+    limits = sc.connection_limits(on_reject=app.state.metrics.count_rejected)
     _raise_open_files_limit(limits.limit_concurrency)
     config = uvicorn.Config(
-        app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-        http=protocol_class(limits), timeout_keep_alive=args.timeout_keep_alive,  # type: ignore[arg-type]
+        app, host=sc.host, port=sc.port, log_level=sc.uvicorn_log_level,
+        http=protocol_class(limits), timeout_keep_alive=sc.timeout_keep_alive,  # type: ignore[arg-type]
         # uvicorn cancels what still runs at the deadline: only a backstop, since every
         # response has ended by then (a cancelled stream would end without its final event).
-        timeout_graceful_shutdown=args.shutdown_timeout,
+        timeout_graceful_shutdown=sc.shutdown_timeout,
     )
-    abort_after = max(0.0, args.shutdown_timeout - STOP_RESERVE_S)
+    abort_after = max(0.0, sc.shutdown_timeout - STOP_RESERVE_S)
     server = _Server(config, lambda: begin_shutdown(app, abort_after))
     # An engine that dies (a tensor-parallel worker or an engine process exited) stops the
     # server: uvicorn's loop polls should_exit, so setting it from any thread is enough.
     app.state.async_engine.on_fatal = lambda: setattr(server, "should_exit", True)
-    log.info("serving %s as %r on http://%s:%d", args.model, name, args.host, args.port)
+    log.info("serving %s as %r on http://%s:%d", model, name, sc.host, sc.port)
     asyncio.run(server.serve())
     if not server.started:  # e.g. the port is taken; uvicorn has logged why
         return UVICORN_STARTUP_FAILURE

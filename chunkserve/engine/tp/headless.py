@@ -10,14 +10,14 @@ SIGKILL here leaves no orphan either: each worker exits when its parent is gone.
 from __future__ import annotations
 
 import logging
-import signal
-import threading
+
+import torch.multiprocessing as mp
 
 from chunkserve.config import EngineConfig
 from chunkserve.engine.tp.group import Rendezvous
-from chunkserve.procs.cpu_binding import rank_cores
 from chunkserve.engine.tp.worker import start_workers
-from chunkserve.procs.lifecycle import first_dead, join_then_kill
+from chunkserve.procs.cpu_binding import rank_cores
+from chunkserve.procs.lifecycle import supervise
 
 log = logging.getLogger("chunkserve.headless")
 
@@ -31,9 +31,6 @@ def run_headless(config: EngineConfig) -> int:
     if pc.node_rank == 0:
         raise ValueError("node 0 runs the engine, not a headless node")
     ranks = pc.node_ranks
-    stop = threading.Event()
-    handlers = {sig: signal.signal(sig, lambda *_: stop.set())
-                for sig in (signal.SIGTERM, signal.SIGINT)}
     rendezvous = Rendezvous(pc.master_addr, pc.master_port, pc.tensor_parallel_size,
                             pc.nnodes)
     workers = start_workers(ranks, rendezvous, rank_cores(len(ranks)), len(ranks),
@@ -41,20 +38,13 @@ def run_headless(config: EngineConfig) -> int:
     log.info("node %d of %d: tensor-parallel ranks %d-%d (pids %s), joining rank 0 at %s:%d",
              pc.node_rank, pc.nnodes, ranks[0], ranks[-1],
              " ".join(str(w.pid) for w in workers), pc.master_addr, pc.master_port)
-    try:
-        while not stop.is_set():
-            first_dead([w for w in workers if w.exitcode is None], POLL_S)
-            failed = [w for w in workers if w.exitcode not in (None, 0)]
-            if failed:
-                log.error("%s; stopping this node", ", ".join(
-                    f"{w.name} exited with code {w.exitcode}" for w in failed))
-                return 1
-            if all(w.exitcode == 0 for w in workers):
-                log.info("rank 0 stopped the group")
-                return 0
-        log.info("stopping this node's ranks")
-        return 0
-    finally:
-        join_then_kill(workers, terminate=True)
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
+
+    def on_exit(w: mp.Process) -> None:
+        if w.exitcode != 0:
+            log.error("%s exited with code %s; stopping this node", w.name, w.exitcode)
+
+    status = supervise(workers, POLL_S, fail_fast=True, on_exit=on_exit,
+                       on_signal=lambda: log.info("stopping this node's ranks"))
+    if status == 0 and all(w.exitcode == 0 for w in workers):
+        log.info("rank 0 stopped the group")
+    return status
