@@ -18,14 +18,10 @@ llama-server is built once into a cache folder by llama_server_build.py (~15 min
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
-import socket
-import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,30 +29,12 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from benchmarks.common.host import cpu_info  # noqa: E402
 from benchmarks.common.report import save_report  # noqa: E402
+from benchmarks.serving import served  # noqa: E402
+from benchmarks.serving.served import CLOSED_LOOP, failed_count, free_port, measure_server  # noqa: E402
 from benchmarks.serving.llama_server_build import DEFAULT_CACHE, build  # noqa: E402
 
 ENGINES = ("chunkserve", "llama-server")
 PEER = "llama-server"  # the open-loop rate is set from its capacity
-WORKLOAD = ["--dataset-name", "mixed", "--seed", "0", "--ignore-eos"]
-# What the table shows, in order: (label, bench serve JSON key, unit scale).
-ROWS = [
-    ("capacity (req/s)", "request_throughput", 1.0),
-    ("output tok/s", "output_throughput", 1.0),
-    ("TTFT p50 (ms)", "median_ttft_ms", 1.0),
-    ("TTFT p99 (ms)", "p99_ttft_ms", 1.0),
-    ("ITL p50 (ms)", "median_itl_ms", 1.0),
-    ("ITL p99 (ms)", "p99_itl_ms", 1.0),
-    ("max token gap (ms)", "max_itl_ms", 1.0),
-    ("TPOT p99 (ms)", "p99_tpot_ms", 1.0),
-    ("E2E p50 (ms)", "median_e2el_ms", 1.0),
-    ("failed requests", "failed", 1.0),
-]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def server_command(engine: str, port: int, gguf: str, binary: str | None,
@@ -72,81 +50,17 @@ def server_command(engine: str, port: int, gguf: str, binary: str | None,
             "-t", "2", "-c", "73728", *extra_args]
 
 
-def wait_healthy(port: int, proc: subprocess.Popen, timeout: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server on port {port} exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(1.0)
-    raise RuntimeError(f"server on port {port} not healthy after {timeout:.0f} s")
-
-
-def bench(engine: str, port: int, out_dir: str, name: str, traffic: Sequence[str],
-          num_prompts: int, model: str) -> dict[str, Any]:
-    """One `chunkserve bench serve` run; returns its saved result JSON."""
-    filename = f"{engine}-{name}.json"
-    cmd = [sys.executable, "-m", "chunkserve.cli", "bench", "serve", "--port", str(port),
-           "--model", model, "--tokenizer", model, *WORKLOAD,
-           "--num-prompts", str(num_prompts), *traffic, "--metric-percentiles", "50,99",
-           "--percentile-metrics", "ttft,tpot,itl,e2el", "--save-result", "--result-dir",
-           out_dir, "--result-filename", filename, "--disable-tqdm"]
-    subprocess.run(cmd, check=True)
-    with open(os.path.join(out_dir, filename)) as f:
-        result = json.load(f)
-    result["command"] = " ".join(cmd[1:])
-    return result
-
-
 def measure(engine: str, gguf: str, binary: str | None, out_dir: str, name: str,
             traffic: Sequence[str], num_prompts: int, extra_args: Sequence[str] = (),
             model: str = "smollm2-135m") -> dict[str, Any]:
     """Starts the engine fresh (with `extra_args`), runs one bench, stops it."""
     port = free_port()
-    log = open(os.path.join(out_dir, f"{engine}-{name}.log"), "w")
-    proc = subprocess.Popen(server_command(engine, port, gguf, binary, extra_args, model),
-                            stdout=log, stderr=subprocess.STDOUT)
-    try:
-        wait_healthy(port, proc)
-        return bench(engine, port, out_dir, name, traffic, num_prompts, model)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
+    return measure_server(engine, server_command(engine, port, gguf, binary, extra_args, model),
+                          port, out_dir, name, traffic, num_prompts, model)
 
 
 def side_by_side(results: dict[str, dict[str, dict[str, Any]]]) -> str:
-    """The markdown table: one section per phase, one column per engine, chunkserve/peer."""
-    lines = []
-    for phase, title in (("capacity", "closed loop, 16 concurrent"),
-                         ("open-loop", "open loop at 70% of llama-server's capacity")):
-        first = results[ENGINES[0]][phase]
-        lines += [f"**{phase}** ({title}, {first['num_prompts']} requests"
-                  + (f", {first['request_rate']} req/s" if phase == "open-loop" else "") + ")", "",
-                  "| metric | chunkserve | llama-server | chunkserve / llama-server |",
-                  "|---|---:|---:|---:|"]
-        for label, key, scale in ROWS:
-            a, b = (results[e][phase].get(key) for e in ENGINES)
-            if a is None or b is None:
-                continue
-            ratio = f"{a / b:.2f}" if b else "–"
-            lines.append(f"| {label} | {a * scale:,.3f} | {b * scale:,.3f} | {ratio} |"
-                         if key == "request_throughput" else
-                         f"| {label} | {a * scale:,.1f} | {b * scale:,.1f} | {ratio} |")
-        lines.append("")
-    return "\n".join(lines)
-
-
-def failed_count(result: dict[str, Any]) -> int:
-    return int(result["num_prompts"]) - int(result["completed"])
+    return served.side_by_side(results, ENGINES)
 
 
 def main() -> int:
@@ -179,10 +93,10 @@ def main() -> int:
     binary = build(args.cache_dir)
     started = time.time()
     results: dict[str, dict[str, dict[str, Any]]] = {e: {} for e in ENGINES}
-    closed = ["--max-concurrency", "16", "--request-rate", "inf"]
     for engine in (PEER, "chunkserve"):
-        results[engine]["capacity"] = measure(engine, gguf, binary, args.out, "capacity", closed,
-                                              args.capacity_prompts, extra[engine], args.model)
+        results[engine]["capacity"] = measure(engine, gguf, binary, args.out, "capacity",
+                                              CLOSED_LOOP, args.capacity_prompts, extra[engine],
+                                              args.model)
     rate = args.load * results[PEER]["capacity"]["request_throughput"]
     for engine in ENGINES:
         results[engine]["open-loop"] = measure(engine, gguf, binary, args.out, "open-loop",

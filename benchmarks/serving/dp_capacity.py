@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
 import time
 from typing import Any
@@ -22,16 +21,15 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from benchmarks.common.host import cpu_info  # noqa: E402
 from benchmarks.common.report import save_report  # noqa: E402
-from benchmarks.serving.compare_llama_server import (  # noqa: E402
+from benchmarks.serving.served import (  # noqa: E402
+    CLOSED_LOOP,
     ROWS,
-    bench,
     failed_count,
     free_port,
-    wait_healthy,
+    measure_server,
 )
 
 CONFIGS = {"dp1": [], "dp2": ["--data-parallel-size", "2"]}
-CLOSED_LOOP = ["--max-concurrency", "16", "--request-rate", "inf"]
 
 
 def measure(name: str, extra: list[str], out_dir: str, run: int, num_prompts: int,
@@ -39,14 +37,8 @@ def measure(name: str, extra: list[str], out_dir: str, run: int, num_prompts: in
     port = free_port()
     cmd = [sys.executable, "-m", "chunkserve.cli", "serve", "--model", model,
            "--host", "127.0.0.1", "--port", str(port), *extra]
-    with open(os.path.join(out_dir, f"{name}-{run}.log"), "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            wait_healthy(port, proc)
-            result = bench(name, port, out_dir, f"run{run}", CLOSED_LOOP, num_prompts, model)
-        finally:
-            proc.terminate()
-            proc.wait(timeout=60)
+    result = measure_server(name, cmd, port, out_dir, f"run{run}", CLOSED_LOOP, num_prompts,
+                            model)
     result["server_command"] = " ".join(cmd[1:])
     result["failed"] = failed_count(result)
     return result

