@@ -7,7 +7,9 @@ import os
 
 import pytest
 
-from chunkserve.procs.cpu_binding import ENV, parse_cpu_list, rank_cores, threads
+from chunkserve.procs.cpu_binding import (
+    ENV, RESERVED_ENV, engine_cpus, parse_cpu_list, rank_cores, reserved_cpus, threads,
+)
 from chunkserve.engine.core_proc import split_cores
 
 
@@ -39,6 +41,23 @@ def test_data_parallel_engines_take_their_ranks_lists(monkeypatch: pytest.Monkey
     monkeypatch.delenv(ENV)
     shares = [cores for cores, bind in split_cores(2)]
     assert len(shares) == 2 and all(shares)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_reserved_cpus_are_the_api_server_s_and_the_engines_split_the_rest(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    cpus = sorted(os.sched_getaffinity(0))
+    monkeypatch.delenv(ENV, raising=False)
+    monkeypatch.delenv(RESERVED_ENV, raising=False)
+    assert reserved_cpus() == () and engine_cpus() == cpus
+    monkeypatch.setenv(RESERVED_ENV, "1")  # vLLM's: the last one is the server's
+    assert reserved_cpus() == (cpus[-1],) and engine_cpus() == cpus[:-1]
+    assert split_cores(1) == [(tuple(cpus[:-1]), None)]
+    for bad, message in ((str(len(cpus)), "the engines need at least one"),
+                         ("two", "not a number")):
+        monkeypatch.setenv(RESERVED_ENV, bad)
+        with pytest.raises(ValueError, match=message):
+            reserved_cpus()
 
 
 def _allowed(pid: int) -> str:

@@ -25,7 +25,7 @@ from chunkserve.engine.channel import Keys, engine_socket
 from chunkserve.engine.engine_loop import EngineLoop, LoopEvent
 from chunkserve.engine.output_tails import OutputSender
 from chunkserve.engine.profiler import engine_profiler
-from chunkserve.procs.cpu_binding import ENV, explicit_lists, rank_cores
+from chunkserve.procs.cpu_binding import ENV, engine_cpus, explicit_lists, rank_cores
 from chunkserve.procs.gpu_placement import VISIBLE_ENV, engine_gpus
 from chunkserve.procs.lifecycle import spawn
 from chunkserve.procs.parent_watch import exit_with_parent
@@ -127,10 +127,12 @@ def spawn_engine(spec: EngineSpec, endpoints: Endpoints) -> mp.Process:
 def split_cores(num_engines: int, tp: int = 1) -> list[tuple[tuple[int, ...], str | None]]:
     """Each engine's cores and, where VLLM_CPU_OMP_THREADS_BIND lists every rank's cores
     (num_engines x tp lists), the part of it that is its own ranks'; else the CPUs this
-    process may use split evenly (procs/cpu_binding.py), and its ranks split its share."""
+    process may use but the API server's reserved ones split evenly (procs/cpu_binding.py),
+    and its ranks split its share."""
     lists = explicit_lists()
     if lists is None:
-        return [(cores or (), None) for cores in rank_cores(num_engines, "auto")]
+        return [(cores or (), None)
+                for cores in rank_cores(num_engines, "auto", engine_cpus())]
     if len(lists) != num_engines * tp:
         raise ValueError(f"{ENV} lists {len(lists)} CPU set(s) for {num_engines} engines of "
                          f"{tp} rank(s): give one per rank, separated by '|'")

@@ -5,6 +5,7 @@ headless launches (frontend/remote_engines.py), every one reached through one `E
 from __future__ import annotations
 
 import logging
+import os
 
 from chunkserve.config import EngineConfig
 from chunkserve.engine.channel import local_secret, require_secret
@@ -12,6 +13,7 @@ from chunkserve.engine.core_proc import engine_specs, spawn_engine
 from chunkserve.frontend.core_client import CoreClient, EngineHub
 from chunkserve.frontend.engine_client import EngineClient
 from chunkserve.frontend.remote_engines import serve_other_nodes
+from chunkserve.procs.cpu_binding import RESERVED_ENV, reserved_cpus
 from chunkserve.procs.lifecycle import JOIN_TIMEOUT_S
 
 log = logging.getLogger("chunkserve.server")
@@ -26,10 +28,12 @@ def start_engines(config: EngineConfig, timeout: float = 600.0,
     pc = config.parallel_config
     multi = pc.nnodes > 1
     secret = require_secret(f"--nnodes {pc.nnodes}") if multi else local_secret()
+    specs = engine_specs(config, profiler_dir)  # placed before the server binds itself
+    _bind_server(reserved_cpus())
     hub = EngineHub(secret, tcp=multi)
     clients: list[CoreClient] = []
     try:
-        for spec in engine_specs(config, profiler_dir):
+        for spec in specs:
             clients.append(CoreClient(hub, spec.index, spawn_engine(spec, hub.local)))
         if multi:
             clients += serve_other_nodes(config, hub)
@@ -43,3 +47,12 @@ def start_engines(config: EngineConfig, timeout: float = 600.0,
         raise
     log.info("%d data-parallel engines ready, over %d node(s)", len(clients), pc.nnodes)
     return list(clients)
+
+
+def _bind_server(cpus: tuple[int, ...]) -> None:
+    """Keeps this thread, and the threads it starts from now on (the hub's reader, uvicorn's
+    loop, the tokenizer's pool), on the API server's reserved CPUs; none reserved: as is."""
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+        log.info("the API server runs on CPU(s) %s (%s); the engines on the others",
+                 ",".join(map(str, cpus)), RESERVED_ENV)

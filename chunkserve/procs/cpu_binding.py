@@ -9,12 +9,17 @@
 
 A rank binds the thread that runs its steps before its OpenMP pool exists, so the pool's threads
 inherit the cores (Linux affinity is per thread and inherited by the threads it creates).
+
+`VLLM_CPU_NUM_OF_RESERVED_CPU=N` (vLLM's), where the engines run in processes of their own
+(`-dp`, or VLLM_ENABLE_V1_MULTIPROCESSING=1): the last N of those CPUs are the API server's
+(HTTP, tokenizing, detokenizing), the others the engines'; unset or 0, they share all of them.
 """
 from __future__ import annotations
 
 import os
 
 ENV = "VLLM_CPU_OMP_THREADS_BIND"
+RESERVED_ENV = "VLLM_CPU_NUM_OF_RESERVED_CPU"
 
 
 def parse_cpu_list(text: str) -> tuple[int, ...]:
@@ -38,6 +43,26 @@ def explicit_lists(value: str | None = None) -> list[tuple[int, ...]] | None:
     if value.strip() in ("", "auto", "nobind"):
         return None
     return [parse_cpu_list(group) for group in value.split("|")]
+
+
+def reserved_cpus() -> tuple[int, ...]:
+    """The CPUs kept for the API server (RESERVED_ENV): the last N this process may use."""
+    text = os.environ.get(RESERVED_ENV, "0").strip() or "0"
+    try:
+        n = int(text)
+    except ValueError:
+        raise ValueError(f"{RESERVED_ENV}={text!r} is not a number of CPUs") from None
+    cpus = sorted(os.sched_getaffinity(0))
+    if not 0 <= n < len(cpus):
+        raise ValueError(f"{RESERVED_ENV}={n}: this process may use {len(cpus)} CPU(s), and "
+                         "the engines need at least one")
+    return tuple(cpus[len(cpus) - n:]) if n else ()
+
+
+def engine_cpus() -> list[int]:
+    """The CPUs the engine processes split: all this process may use but the reserved."""
+    reserved = set(reserved_cpus())
+    return [c for c in sorted(os.sched_getaffinity(0)) if c not in reserved]
 
 
 def rank_cores(num_ranks: int, value: str | None = None,

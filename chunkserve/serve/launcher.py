@@ -33,6 +33,8 @@ log = logging.getLogger("chunkserve.server")
 # responses and stopping the engine (~0.3 s measured on 2 busy cores).
 SHUTDOWN_GRACE_S = 5.0
 STOP_RESERVE_S = 1.0
+# vLLM's: 1 runs one engine in a process of its own, as `-dp` runs each (frontend/engines.py).
+MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 UVICORN_STARTUP_FAILURE = 3  # what `uvicorn.run` exits with when it cannot start
 
 
@@ -140,8 +142,9 @@ def build_engine(config: EngineConfig) -> LLMEngine:
 
 def _build_engines(config: EngineConfig, profiler_dir: str | None) -> list[EngineClient]:
     """One engine built on the thread its loop will run on (one OpenMP pool:
-    engine/compute_thread.py), or --data-parallel-size engine processes."""
-    if config.parallel_config.data_parallel_size > 1:
+    engine/compute_thread.py), or --data-parallel-size engine processes (one, with
+    VLLM_ENABLE_V1_MULTIPROCESSING=1: vLLM's arrangement, the engine off the server's thread)."""
+    if config.parallel_config.data_parallel_size > 1 or _engine_process():
         from chunkserve.frontend.engines import start_engines
 
         return start_engines(config, profiler_dir=profiler_dir)
@@ -150,6 +153,14 @@ def _build_engines(config: EngineConfig, profiler_dir: str | None) -> list[Engin
     compute = ComputeThread()
     return [InProcessClient(compute.call(lambda: build_engine(config)), compute,
                             profiler_dir=profiler_dir)]
+
+
+def _engine_process() -> bool:
+    value = os.environ.get(MULTIPROCESSING_ENV, "0").strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"{MULTIPROCESSING_ENV}={value!r}: 0 (the engine in this process) or "
+                         "1 (in a process of its own)")
+    return value == "1"
 
 
 def _run_headless(config: EngineConfig, profiler_dir: str | None) -> int:
