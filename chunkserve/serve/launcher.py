@@ -135,16 +135,21 @@ class _Server(uvicorn.Server):
 def build_engine(config: EngineConfig) -> LLMEngine:
     from chunkserve.engine.llm_engine import LLMEngine  # torch: not for `--help`
 
+    import torch
+
     engine = LLMEngine.from_config(config)
     engine.commit_kv_memory()  # RSS is flat from the start, not creeping up to it while serving
+    log.info("the engine steps in this process: %d compute thread(s) on CPU(s) %s",
+             torch.get_num_threads(), ",".join(map(str, sorted(os.sched_getaffinity(0)))))
     return engine
 
 
-def _build_engines(config: EngineConfig, profiler_dir: str | None) -> list[EngineClient]:
+def _build_engines(config: EngineConfig, profiler_dir: str | None,
+                   own_process: bool) -> list[EngineClient]:
     """One engine built on the thread its loop will run on (one OpenMP pool:
     engine/compute_thread.py), or --data-parallel-size engine processes (one, with
     VLLM_ENABLE_V1_MULTIPROCESSING=1: vLLM's arrangement, the engine off the server's thread)."""
-    if config.parallel_config.data_parallel_size > 1 or _engine_process():
+    if config.parallel_config.data_parallel_size > 1 or own_process:
         from chunkserve.frontend.engines import start_engines
 
         return start_engines(config, profiler_dir=profiler_dir)
@@ -183,10 +188,11 @@ def run_server(args: argparse.Namespace) -> int:
     config = config_from_args(args)  # checked: its errors come before any connection or load
     if config.parallel_config.node_rank > 0:  # a secondary node: no HTTP server
         return _run_headless(config, server_config.profiler_dir)
+    own_process = _engine_process()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     configure_allocator()  # before the engine's and the tokenizer's threads allocate (serve/http/heap.py)
-    return _serve(server_config, _build_engines(config, server_config.profiler_dir),
-                  config.model_config.model)
+    engines = _build_engines(config, server_config.profiler_dir, own_process)
+    return _serve(server_config, engines, config.model_config.model)
 
 
 def _serve(sc: ServerConfig, engines: list[EngineClient], model: str) -> int:
