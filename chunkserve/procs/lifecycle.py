@@ -92,13 +92,15 @@ def supervise(children: Sequence[mp.Process], poll_s: float, *, fail_fast: bool,
     seen: set[int] = set()
     try:
         while not stop.is_set():
-            first_dead([p for p in children if p.exitcode is None], poll_s)
+            # Every child not yet reported: one that exited before this wait wakes it at once.
+            first_dead([p for i, p in enumerate(children) if i not in seen], poll_s)
             tick()
+            codes = [p.exitcode for p in children]  # one reading: a child may exit meanwhile
             for i, p in enumerate(children):
-                if p.exitcode is not None and i not in seen:
+                if codes[i] is not None and i not in seen:
                     seen.add(i)
                     on_exit(p)
-            failed = any(p.exitcode not in (None, 0) for p in children)
+            failed = any(code not in (None, 0) for code in codes)
             if failed and fail_fast:
                 return 1
             if len(seen) == len(children):
