@@ -1,4 +1,5 @@
-"""`chunkserve` command line: generate, serve, bench serve|sweep, sim, profile, diagnose."""
+"""`chunkserve` command line: generate, serve, bench serve|sweep, sim, profile, diagnose, tune,
+export-dummy."""
 from __future__ import annotations
 
 import argparse
@@ -95,7 +96,36 @@ def build_parser() -> argparse.ArgumentParser:
                                        "(searched on the simulator)")
     add_tune_args(tune)
     tune.set_defaults(func=_tune)
+
+    export = sub.add_parser("export-dummy", help="write a preset's shape with random weights "
+                                                 "as a GGUF file or a HF folder")
+    _add_export_args(export)
+    export.set_defaults(func=_export_dummy)
     return parser
+
+
+def _add_export_args(p: argparse.ArgumentParser) -> None:
+    from chunkserve.model.writers.export import DEFAULT_QUANT, FORMATS
+
+    p.add_argument("preset", help="a model preset (chunkserve/data/models.toml), e.g. "
+                                  "llama-3.2-1b")
+    p.add_argument("--format", default="gguf", choices=list(FORMATS),
+                   help="gguf (llama.cpp) or hf (a safetensors folder: vLLM, transformers)")
+    p.add_argument("--quant", default=None,
+                   help="; ".join(f"{f}: {', '.join(q)} (default {DEFAULT_QUANT[f]})"
+                                  for f, q in FORMATS.items()))
+    p.add_argument("--out", required=True, help="a new or empty folder")
+    p.add_argument("--seed", type=int, default=0, help="the random weights' seed (as --seed)")
+
+
+def _export_dummy(args: argparse.Namespace) -> int:
+    from chunkserve.model.writers.export import describe, export_dummy
+
+    done = export_dummy(args.preset, args.format, args.out, args.quant, args.seed)
+    print(done.path)
+    print(f"[{done.nbytes / 2**30:.2f} GiB in {done.seconds:.0f} s; {describe(done.path)}]",
+          file=sys.stderr)
+    return 0
 
 
 def _with_step_time(args: argparse.Namespace, serving: bool) -> argparse.Namespace:

@@ -3,6 +3,8 @@ whose weights are not here, or not worth reading, with the exact compute and mem
 ones."""
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 from chunkserve.model.models.config import DecoderConfig
@@ -15,24 +17,31 @@ from chunkserve.model.models.registry import architecture
 INIT_STD = 0.02
 
 
-def dummy_weights(
+def dummy_tensors(
     config: DecoderConfig, seed: int, device: torch.device, dtype: torch.dtype
-) -> dict[str, torch.Tensor]:
-    """Every tensor `expected_shapes(config)` lists: unit norms, the rest normal(0, INIT_STD).
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor `expected_shapes(config)` lists, in its order, one at a time: unit norms,
+    the rest normal(0, INIT_STD).
 
-    Each tensor is drawn where it will live, in its final dtype, one at a time: an 8B model in
-    bf16 never passes through 32 GB of host float32, and the peak is the model itself. The same
-    seed gives the same weights on the same kind of device (CPU and CUDA streams differ).
+    Each tensor is drawn where it will live, in its final dtype: an 8B model in bf16 never
+    passes through 32 GB of host float32. The same seed gives the same weights on the same kind
+    of device (CPU and CUDA streams differ), so a file written from these tensors
+    (model/writers/) holds the weights that `--model PRESET` runs with.
     """
     generator = torch.Generator(device=device).manual_seed(seed)
     # Unit norms as the model applies them: Gemma's scale by 1 + w, so its stored w is 0.
     unit_norm = 1.0 - architecture(config.architecture).norm_weight_offset
-    weights: dict[str, torch.Tensor] = {}
     for name, shape in expected_shapes(config).items():
         tensor = torch.empty(shape, device=device, dtype=dtype)
         if name.endswith("norm.weight"):
             tensor.fill_(unit_norm)
         else:
             tensor.normal_(0.0, INIT_STD, generator=generator)
-        weights[name] = tensor
-    return weights
+        yield name, tensor
+
+
+def dummy_weights(
+    config: DecoderConfig, seed: int, device: torch.device, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """All of `dummy_tensors` at once: the peak is the model itself."""
+    return dict(dummy_tensors(config, seed, device, dtype))

@@ -79,6 +79,28 @@ def hf_name(gguf_name: str, arch: Architecture) -> str | None:
     return None if name is None else f"model.layers.{int(parts[1])}.{name}.{parts[3]}"
 
 
+def gguf_name(name: str, arch: Architecture) -> str:
+    """The GGUF name of an HF tensor in this architecture: `hf_name` inverted, from the same
+    tables (model/writers/gguf_export.py writes files that load_gguf reads back)."""
+    globals_ = {hf: g for g, hf in _GLOBAL_NAMES.items()}
+    if name in globals_:
+        return globals_[name]
+    layer = {hf: kind for kind, hf in LAYER_NAMES.items() if kind not in arch.gguf_renames}
+    layer.update({hf: kind for kind, hf in arch.gguf_renames.items()})
+    parts = name.split(".")
+    inner = ".".join(parts[3:-1])
+    if len(parts) < 5 or parts[:2] != ["model", "layers"] or inner not in layer:
+        raise ValueError(f"no GGUF name for tensor {name!r} in {arch.hf_architectures[0]}")
+    return f"blk.{int(parts[2])}.{layer[inner]}.{parts[-1]}"
+
+
+def permute_rope_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """convert_hf_to_gguf's q/k row permutation (`unpermute_rope_rows` undoes it)."""
+    rows = w.shape[0]
+    pairs = rows // n_head // 2
+    return w.reshape(n_head, 2, pairs, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
 def _check_type(tensor: Any) -> GGMLType:
     qtype = GGMLType(tensor.tensor_type)
     if qtype not in SUPPORTED_TYPES:
@@ -159,4 +181,18 @@ def _from_gguf_values(t: torch.Tensor, name: str, arch: Architecture,
         return unpermute_rope_rows(t, config.num_attention_heads)
     if ".self_attn.k_proj." in name:
         return unpermute_rope_rows(t, config.num_key_value_heads)
+    return t
+
+
+def to_gguf_values(t: torch.Tensor, name: str, arch: Architecture,
+                   config: DecoderConfig) -> torch.Tensor:
+    """An HF tensor as llama.cpp's converter stores it: `_from_gguf_values` inverted."""
+    if arch.norm_weight_offset and name.endswith("norm.weight"):
+        return t + arch.norm_weight_offset
+    if not arch.gguf_qk_interleaved:
+        return t
+    if ".self_attn.q_proj." in name:
+        return permute_rope_rows(t, config.num_attention_heads)
+    if ".self_attn.k_proj." in name:
+        return permute_rope_rows(t, config.num_key_value_heads)
     return t
