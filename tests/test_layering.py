@@ -54,6 +54,8 @@ MODEL_ALLOWED = {
     "attention": {"kernels", "batch"},
     "models": {"layers", "attention", "batch"},
     "loaders": {"models"},
+    # The loaders' inverse: a model written to a file (export-dummy), read back by the loaders.
+    "writers": {"models", "loaders"},
     # Tensor parallelism: what each rank holds (parallel), and the collectives around it.
     "parallel": {"models"},
     "tp_layers": {"models", "parallel"},
