@@ -74,19 +74,15 @@ def test_gguf_export_loads_back(tmp_path, quant: str) -> None:
         assert (got - want).pow(2).mean().sqrt() / want.std() < tol, name
 
 
-def test_gguf_export_llama3_rope_and_tied(tmp_path) -> None:
+def test_gguf_export_llama3_rope_and_tied(tmp_path, monkeypatch) -> None:
     # A Llama 3.2 config at a test's size: rope_freqs, tied embeddings, 128256 ids.
     from chunkserve.model.writers import export as export_module
 
     preset = model_preset("llama-3.2-1b")
     preset.update(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=64)
-    original = export_module.model_preset
-    export_module.model_preset = lambda name: preset  # type: ignore[assignment]
-    try:
-        done = export_dummy("llama-3.2-1b", "gguf", str(tmp_path / "m"), "q4_0")
-    finally:
-        export_module.model_preset = original  # type: ignore[assignment]
+    monkeypatch.setattr(export_module, "model_preset", lambda name: preset)
+    done = export_dummy("llama-3.2-1b", "gguf", str(tmp_path / "m"), "q4_0")
     names = {t.name: t for t in open_gguf(done.path).tensors}
     assert "rope_freqs.weight" in names and "output.weight" not in names
     config, _ = load_weights(done.path)

@@ -175,13 +175,19 @@ def _from_gguf_values(t: torch.Tensor, name: str, arch: Architecture,
     the model's norm weights are the file's values bit for bit.)"""
     if arch.norm_weight_offset and name.endswith("norm.weight"):
         return t - arch.norm_weight_offset
+    heads = _rope_reordered_heads(name, arch, config)
+    return t if heads is None else unpermute_rope_rows(t, heads)
+
+
+def _rope_reordered_heads(name: str, arch: Architecture, config: DecoderConfig) -> int | None:
+    """The heads of a q or k matrix whose rows llama.cpp's converter reorders, else None."""
     if not arch.gguf_qk_interleaved:
-        return t
+        return None
     if ".self_attn.q_proj." in name:
-        return unpermute_rope_rows(t, config.num_attention_heads)
+        return config.num_attention_heads
     if ".self_attn.k_proj." in name:
-        return unpermute_rope_rows(t, config.num_key_value_heads)
-    return t
+        return config.num_key_value_heads
+    return None
 
 
 def to_gguf_values(t: torch.Tensor, name: str, arch: Architecture,
@@ -189,10 +195,5 @@ def to_gguf_values(t: torch.Tensor, name: str, arch: Architecture,
     """An HF tensor as llama.cpp's converter stores it: `_from_gguf_values` inverted."""
     if arch.norm_weight_offset and name.endswith("norm.weight"):
         return t + arch.norm_weight_offset
-    if not arch.gguf_qk_interleaved:
-        return t
-    if ".self_attn.q_proj." in name:
-        return permute_rope_rows(t, config.num_attention_heads)
-    if ".self_attn.k_proj." in name:
-        return permute_rope_rows(t, config.num_key_value_heads)
-    return t
+    heads = _rope_reordered_heads(name, arch, config)
+    return t if heads is None else permute_rope_rows(t, heads)

@@ -12,24 +12,28 @@ loaders read it, the tokenizer), and only then renamed to OUT.
 """
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
 import time
 import zlib
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import gguf
 import torch
+from tokenizers import Tokenizer as HFTokenizer
 
 from chunkserve.gguf_file import open_gguf
 from chunkserve.model.loaders.dummy import dummy_tensors
+from chunkserve.model.loaders.gguf import gguf_name
 from chunkserve.model.loaders.source import load_config
 from chunkserve.model.models.checkpoint import expected_shapes
 from chunkserve.model.models.config import DecoderConfig
-from chunkserve.model.models.registry import config_from_hf
+from chunkserve.model.models.registry import architecture, config_from_hf
 from chunkserve.model.writers.ggml_quants import packed_nbytes
 from chunkserve.model.writers.gguf_export import QUANT_MIXES, tensor_type, write_gguf
 from chunkserve.model.writers.hf_export import hf_config_json, write_hf_folder
@@ -101,9 +105,6 @@ def estimate_bytes(config: DecoderConfig, fmt: str, quant: str) -> int:
     shapes = expected_shapes(config)
     if fmt == "hf":
         return sum(2 * int(torch.Size(s).numel()) for s in shapes.values())
-    from chunkserve.model.loaders.gguf import gguf_name
-    from chunkserve.model.models.registry import architecture
-
     arch, mix = architecture(config.architecture), QUANT_MIXES[quant]
     return sum(packed_nbytes(s, tensor_type(gguf_name(n, arch), s, mix,
                                             config.num_hidden_layers, config.tie_word_embeddings))
@@ -151,10 +152,6 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def _reference_ids(vocab: SizedVocab) -> list[int]:
-    import json
-
-    from tokenizers import Tokenizer as HFTokenizer
-
     return HFTokenizer.from_str(json.dumps(vocab.tokenizer_json)).encode(
         _CHECK_TEXT, add_special_tokens=False).ids
 
@@ -184,8 +181,6 @@ def describe(path: str) -> str:
     """A GGUF file's tensor types, counted (for the command's summary line)."""
     if not path.endswith(".gguf"):
         return "bf16 safetensors"
-    counts: dict[str, int] = {}
-    for t in open_gguf(path).tensors:
-        counts[gguf.GGMLQuantizationType(t.tensor_type).name] = counts.get(
-            gguf.GGMLQuantizationType(t.tensor_type).name, 0) + 1
+    counts = Counter(gguf.GGMLQuantizationType(t.tensor_type).name
+                     for t in open_gguf(path).tensors)
     return ", ".join(f"{n} x{c}" for n, c in sorted(counts.items()))

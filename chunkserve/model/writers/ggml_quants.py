@@ -79,11 +79,6 @@ _OURS = {GGMLType.Q4_K: quantize_q4_k, GGMLType.Q6_K: quantize_q6_k}
 _PLAIN = {GGMLType.F32: np.float32, GGMLType.F16: np.float16}
 
 
-def packable(qtype: GGMLType) -> bool:
-    """Whether rows can be packed as `qtype` here."""
-    return qtype in _OURS or qtype in _PLAIN or gguf.quants.can_quantize_to(qtype)
-
-
 def quantize_rows(rows: np.ndarray, qtype: GGMLType) -> np.ndarray:
     """A [rows, cols] float32 array as `qtype`: the values themselves for F32/F16, else
     [rows, bytes] of blocks. Callers pack big tensors a slice of ROWS_PER_PASS rows at a time."""
