@@ -31,6 +31,36 @@ def test_step_times_come_from_the_tg_column():
 def test_table_gives_ratios_to_each_engines_own_b1_and_the_targets():
     rows = [ds.Row(1, 6.5, 8.5, 2.8), ds.Row(32, 42.9, 139.5, 12.2), ds.Row(64, 76.2, 253.5, 24.1)]
     text = ds.table(rows)
-    assert "| 1 | 6.5 | 1.0 | 8.5 | 1.0 | 2.8 | 1.0 | 0.4 |  |" in text
-    assert "| 64 | 76.2 | 11.7 | 253.5 | 29.8 | 24.1 | 8.6 | 3.7 | <= 3.0x |" in text
+    assert "| 1 | 6.5 | 1.0 | 8.5 | 1.0 | 2.8 | 1.0 | 0.4 | 0.76 |  |" in text
+    assert "| 64 | 76.2 | 11.7 | 253.5 | 29.8 | 24.1 | 8.6 | 3.7 | 0.30 | <= 3.0x |" in text
     assert "<= 2.5x" in text.splitlines()[3]
+
+
+# llama-bench -o json on a Zen 4 (2026-12-07), one prompt test and one generation test, the
+# fields the parser reads and a few around them.
+LLAMA_BENCH_JSON = """[
+  {"model_type": "llama 1B Q4_0", "n_threads": 2, "n_prompt": 512, "n_gen": 0,
+   "avg_ns": 1954000000, "avg_ts": 262.03, "samples_ts": [262.03]},
+  {"model_type": "llama 1B Q4_0", "n_threads": 2, "n_prompt": 2048, "n_gen": 0,
+   "avg_ts": 229.4, "samples_ts": [229.4]},
+  {"model_type": "llama 1B Q4_0", "n_threads": 2, "n_prompt": 0, "n_gen": 16,
+   "avg_ts": 53.1, "samples_ts": [53.1]}
+]"""
+
+
+def test_prefill_rates_come_from_llama_bench_prompt_tests():
+    assert ds.parse_llama_bench(LLAMA_BENCH_JSON) == {512: 262.03, 2048: 229.4}
+    text = ds.prefill_table([ds.PrefillRow(512, 450.0, 262.0), ds.PrefillRow(2048, 399.0, 229.4)])
+    assert "| 512 | 450 | 262 | 1.72 |" in text and "| 2048 | 399 | 229 | 1.74 |" in text
+
+
+def test_bad_arguments_are_one_line_errors(monkeypatch, capsys, tmp_path):
+    import pytest
+
+    for argv, said in ((["--batches", "8,32"], "must include 1"),
+                       (["--prefill-sizes", "8192"], "at most 4096"),
+                       (["--model", str(tmp_path / "none.gguf")], "not found")):
+        monkeypatch.setattr(sys, "argv", ["decode_scaling.py", *argv])
+        with pytest.raises(SystemExit) as e:
+            ds.parse_args()
+        assert e.value.code == 2 and said in capsys.readouterr().err

@@ -149,6 +149,7 @@ def test_generate_is_all_or_nothing_on_bad_prompt(tiny):
         (dict(enable_chunked_prefill=False, scheduler="decode-first"), "always chunks"),
         (dict(scheduler="fifo"), "scheduler must be one of"),
         (dict(num_kv_blocks=4), "fewer than one request of max_model_len"),
+        (dict(num_kv_blocks=4), r"estimated maximum model length is \d+: pass --max-model-len"),
         (dict(preemption_mode="discard"), "preemption_mode must be one of"),
         (dict(block_size=0), "block_size must be positive"),
         (dict(dtype="float16"), "dtype must be one of"),

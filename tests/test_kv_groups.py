@@ -56,6 +56,15 @@ def test_bound_counts_a_window_group_by_its_window() -> None:
     assert TWO.blocks_per_token_bound(BS, 6, 6) == 2 + 3  # never more than the tokens + 1
 
 
+def test_the_longest_request_a_pool_holds_is_the_bounds_inverse() -> None:
+    # The engine's hint when max_model_len does not fit (vLLM's "estimated maximum model length").
+    for blocks in (0, 4, 5, 30, 31, 200):
+        fits = TWO.max_tokens_within(BS, blocks, 6, upper=10_000)
+        assert fits == 0 or TWO.blocks_per_token_bound(BS, fits, 6) <= blocks
+        assert TWO.blocks_per_token_bound(BS, fits + 1, 6) > blocks
+    assert TWO.max_tokens_within(BS, 10_000, 6, upper=100) == 100  # never past `upper`
+
+
 # ---- the window frees blocks as the request advances -----------------------------------------
 @pytest.mark.parametrize("chunk", [1, 3, 4, 7, 8, 13])
 def test_long_chunked_prefill_keeps_the_window_group_bounded(chunk: int) -> None:

@@ -42,6 +42,22 @@ def test_q4_1_weights_come_back_exactly():
     assert exact_int4(torch.randn(64, 90)) is None  # rows not a whole number of groups
 
 
+def test_q4_0_weights_come_back_exactly():
+    # Q4_0 blocks as llama.cpp writes them (gguf's packer): (q - 8) * d, the largest |w| at
+    # q = 0 with d of either sign, the other end of the grid mostly unused.
+    from gguf import GGMLQuantizationType, dequantize, quantize
+
+    w = torch.randn(64, 256, generator=torch.Generator().manual_seed(3)).numpy()
+    blocks = dequantize(quantize(w, GGMLQuantizationType.Q4_0), GGMLQuantizationType.Q4_0)
+    q4_0 = torch.from_numpy(blocks.copy()).float()
+    exact = exact_int4(q4_0)
+    assert exact is not None
+    torch.testing.assert_close(dequantize_int4(*exact), q4_0, rtol=0, atol=1e-6)
+    # The min/max grid of these groups would not have given them back.
+    levels, scale, low = quantize_int4(q4_0)
+    assert (dequantize_int4(levels, scale, low) - q4_0).abs().max() > 1e-3
+
+
 def test_any_weight_rounds_to_half_a_step():
     w = torch.randn(48, 64) * torch.linspace(0.01, 2.0, 48)[:, None]
     levels, scale, low = quantize_int4(w)
@@ -161,3 +177,38 @@ def test_auto_serves_a_q4_gguf_in_int4(smollm2_path):
     loaded = load_model(smollm2_path, max_model_len=512)
     assert loaded.model.quantization == "int4"  # what a profile records, to replay the same
     assert all(isinstance(layer.down, Int4Linear) for layer in loaded.model.layers)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_a_linear_keeps_no_dense_copy_where_memory_is_short(kernel, monkeypatch):
+    """Past DENSE_RESERVE_BYTES available, a quantized linear skips its dense copy for prefill
+    rows (an 8B model's would be 14 GiB in bf16): the kernel then takes every row count, with
+    the dense path's results."""
+    from chunkserve.model.layers import quant_linear
+
+    w = q4_1_like(96, 128, seed=7)
+    kept = on_kernel(lambda: Int4Linear(w, torch.bfloat16), kernel, monkeypatch)
+    before = quant_linear.dense_copies_skipped()
+    monkeypatch.setattr(quant_linear, "mem_available", lambda: quant_linear.DENSE_RESERVE_BYTES)
+    lean = on_kernel(lambda: Int4Linear(w, torch.bfloat16), kernel, monkeypatch)
+    # The avx2 kernel takes every row anyway: it never has a copy to skip.
+    assert quant_linear.dense_copies_skipped() == before + (kernel != "avx2")
+    assert lean.dense is None and lean.kernel.max_rows is None
+    x = torch.randn(100, 128).bfloat16()  # a prefill chunk's rows
+    ref = F.linear(x.float(), w)
+    for lin in (kept, lean):
+        torch.testing.assert_close(lin(x).float(), ref, rtol=2e-2,
+                                   atol=2e-2 * ref.abs().max().item())
+
+
+@pytest.mark.skipif(getattr(group_gemm.available(), "name", "") == "avx2",
+                    reason="the avx2 kernel keeps no dense copies to go without")
+def test_load_log_says_how_many_linears_went_without(smollm2_path, monkeypatch, caplog):
+    from chunkserve.model.layers import quant_linear
+
+    monkeypatch.setattr(quant_linear, "mem_available", lambda: 0)
+    with caplog.at_level("WARNING", logger="chunkserve.model.factory"):
+        loaded = load_model(smollm2_path, max_model_len=256, quantization="int8")
+    assert all(layer.down.dense is None for layer in loaded.model.layers)
+    said = [r.getMessage() for r in caplog.records if "keep no dense" in r.getMessage()]
+    assert said and said[0].startswith(f"{len(loaded.model.layers) * 4 + 1} linears")

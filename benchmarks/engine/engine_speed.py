@@ -226,7 +226,8 @@ def make_engine(loaded: LoadedModel, prefill_sizes: tuple[int, ...],
     setup_steps = -(-max_b * DECODE_CONTEXT // budget) + 1
     max_tokens = setup_steps + len(batches) * (decode_steps + 1) + 4
     decode_tokens = max_b * (DECODE_CONTEXT + max_tokens + BLOCK_SIZE)
-    num_blocks = -(-max(decode_tokens, budget + 1) // BLOCK_SIZE) + 8
+    # At least one request of max_model_len: the engine refuses a pool that could never run one.
+    num_blocks = -(-max(decode_tokens, budget + 1, loaded.max_model_len) // BLOCK_SIZE) + 8
     assert DECODE_CONTEXT + max_tokens < loaded.max_model_len, "raise max_model_len"
     engine = LLMEngine.from_kwargs(
         loaded=loaded,  # its max_model_len (budget + 512) becomes the engine's

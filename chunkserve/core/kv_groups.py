@@ -45,6 +45,19 @@ class KVCacheGroups:
             total += -(-tokens // block_size) + (0 if window is None else 1)
         return total
 
+    def max_tokens_within(self, block_size: int, num_blocks: int, chunk: int, upper: int) -> int:
+        """The longest request (at most `upper` tokens) whose blocks_per_token_bound fits in
+        `num_blocks`; 0 if not even one token does. The bound grows with the length, so a
+        bisection finds it."""
+        low, high = 0, upper
+        while low < high:
+            mid = (low + high + 1) // 2
+            if self.blocks_per_token_bound(block_size, mid, chunk) <= num_blocks:
+                low = mid
+            else:
+                high = mid - 1
+        return low
+
 
 def single_group(num_layers: int) -> KVCacheGroups:
     """Every layer full attention (or one window for all): one table per request."""

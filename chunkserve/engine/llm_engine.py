@@ -92,11 +92,15 @@ class LLMEngine:
         chunk = config.scheduler_config.max_num_batched_tokens
         needed = groups.blocks_per_token_bound(cc.block_size, self.max_model_len, chunk)
         if self.num_kv_blocks < needed:
+            # vLLM's hint too: the longest max_model_len this pool could hold.
+            fits = groups.max_tokens_within(cc.block_size, self.num_kv_blocks, chunk,
+                                            self.max_model_len)
             raise ValueError(
                 f"The KV cache holds {self.num_kv_blocks} blocks of {cc.block_size} tokens, "
                 f"fewer than one request of max_model_len ({self.max_model_len}) tokens needs "
-                f"({needed}): it could never run. Increase --kv-cache-memory / --num-kv-blocks "
-                "or decrease --max-model-len."
+                f"({needed}): it could never run. Based on the pool, the estimated maximum "
+                f"model length is {fits}: pass --max-model-len {fits} (or less), or increase "
+                "--kv-cache-memory / --num-kv-blocks."
             )
         self.scheduler = Scheduler(config.scheduler_config, cc, self.num_kv_blocks,
                                    executor.num_swap_blocks, groups)

@@ -11,7 +11,7 @@ import torch
 from chunkserve.config import ModelConfig
 from chunkserve.model.attention.select import make_attention_backend
 from chunkserve.model.kernels import cpu_library
-from chunkserve.model.layers import group_gemm
+from chunkserve.model.layers import group_gemm, quant_linear
 from chunkserve.model.layers.layer_ops import make_layer_ops
 from chunkserve.model.loaders.source import load_source
 from chunkserve.model.models.config import DecoderConfig
@@ -149,8 +149,16 @@ def load_model(
         weights = shard_weights(weights, config, arch, tp_group.world_size, tp_group.rank)
     attention = make_attention_backend(attention_backend, local.num_attention_heads,
                                        local.num_key_value_heads, local.head_dim, dev)
+    skipped_before = quant_linear.dense_copies_skipped()
     model = arch(local, weights, torch_dtype, max_positions=max_model_len, attention=attention,
                  device=dev, quantization=quant, ops=make_layer_ops(dev))
+    skipped = quant_linear.dense_copies_skipped() - skipped_before
+    if skipped:
+        logger.warning("%d linears keep no dense %s copy for prefill rows: this machine would "
+                       "have had under %.0f GiB available after them. Their prefill chunks run "
+                       "through the quantized kernel (slower); decode is unchanged.", skipped,
+                       str(torch_dtype).removeprefix("torch."),
+                       quant_linear.DENSE_RESERVE_BYTES / quant_linear.GiB)
     if shard is not None:
         parallelize(model, tp_group, shard)  # type: ignore[arg-type]
     if dtype == "auto" and torch_dtype == torch.float32 and model.attn.supports_narrow_kv_cache:

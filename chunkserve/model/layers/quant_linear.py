@@ -3,7 +3,13 @@ linear_int4.py): decode rows, up to the kernel's `max_rows`, multiply the quanti
 through a kernel that streams few bytes; more rows (a prefill chunk) are compute-bound, where
 most kernels lose to a dense GEMM, so they multiply a dense copy in the compute dtype. A kernel
 that beats the dense GEMM at every row count (`max_rows` None: the avx2 group GEMM, whose int8
-products outrun AVX2's float32 FMAs) takes every row, and the layer keeps no dense copy."""
+products outrun AVX2's float32 FMAs) takes every row, and the layer keeps no dense copy.
+
+A dense copy costs 2-4 bytes a weight beside int4's half byte: an 8B Q4_0 model is 4.4 GiB of
+blocks and 14 GiB of bfloat16 copies, more than many machines that run it with llama.cpp have.
+So a copy is kept only while the machine keeps DENSE_RESERVE_BYTES available after it; past
+that the kernel takes every row of the layer (prefill slower, nothing killed for memory), and
+the load log says how many layers went without (`dense_copies_skipped`)."""
 from __future__ import annotations
 
 from typing import Protocol
@@ -11,6 +17,33 @@ from typing import Protocol
 import torch
 
 from chunkserve.model.layers.dense_gemm import DenseWeight
+
+GiB = 1 << 30
+# What must stay available after a dense copy: the engine's default KV pool (2 GiB), a step's
+# activations, and the tensors of the load still to come (one at a time, float32).
+DENSE_RESERVE_BYTES = 4 * GiB
+_skipped = 0  # dense copies left out for memory since the process started
+
+
+def mem_available() -> int | None:
+    """MemAvailable in bytes (Linux); None where the kernel does not say (keep the copies)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def room_for_dense_copy(nbytes: int) -> bool:
+    free = mem_available()
+    return free is None or free - nbytes >= DENSE_RESERVE_BYTES
+
+
+def dense_copies_skipped() -> int:
+    return _skipped
 
 
 class QuantKernel(Protocol):
@@ -31,7 +64,14 @@ class QuantizedLinear:
         self.dtype = dtype
         if dtype == torch.float32 and hasattr(kernel, "out_dtype"):
             kernel.out_dtype = torch.float32  # no bfloat16 rounding of a float32 model's sums
-        self.dense = None if kernel.max_rows is None else DenseWeight(dense.to(dtype), bias)
+        self.dense = None
+        if kernel.max_rows is not None:
+            if room_for_dense_copy(dense.numel() * dtype.itemsize):
+                self.dense = DenseWeight(dense.to(dtype), bias)
+            else:
+                global _skipped
+                _skipped += 1
+                kernel.max_rows = None  # every row through the kernel
         self.bias = None if bias is None else bias.to(dtype).contiguous()
         self.shape: tuple[int, int] = tuple(dense.shape)  # type: ignore[assignment]
         # What a decode step reads; prefill chunks read `dense` (not counted: compute-bound).
