@@ -98,6 +98,10 @@ def test_hf_export_is_the_presets_weights(tmp_path) -> None:
     reference = dummy_weights(config, 5, torch.device("cpu"), torch.bfloat16)
     for name, tensor in reference.items():
         assert torch.equal(weights[name].to(torch.bfloat16), tensor), name
+    # Every file as readable as the config beside it (safetensors alone leaves shards 0600:
+    # a server running as another user could not read them).
+    mode = os.stat(os.path.join(done.path, "config.json")).st_mode & 0o777
+    assert os.stat(os.path.join(done.path, "model.safetensors")).st_mode & 0o777 == mode
 
 
 def test_exported_gguf_generates(tmp_path) -> None:

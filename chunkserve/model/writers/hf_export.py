@@ -25,6 +25,13 @@ SHARD_BYTES = 2 << 30  # what transformers' save_pretrained uses by default (max
 DTYPE = torch.bfloat16
 
 
+def _file_mode() -> int:
+    """What open() gives a new file under this process's umask (0644 under the usual 022)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
 def plan_shards(config: DecoderConfig) -> list[list[str]]:
     """Tensor names by shard, in order, each shard under SHARD_BYTES unless one tensor is."""
     shards: list[list[str]] = [[]]
@@ -70,8 +77,9 @@ def write_hf_folder(out: str, config_json: dict[str, Any], config: DecoderConfig
         pending[name] = tensor.to(DTYPE).contiguous()
         crcs[name] = zlib.crc32(pending[name].view(torch.uint8).numpy().tobytes())
         if len(pending) == len(shards[current]):
-            save_file(pending, os.path.join(out, shard_file(current, len(shards))),
-                      metadata={"format": "pt"})
+            path = os.path.join(out, shard_file(current, len(shards)))
+            save_file(pending, path, metadata={"format": "pt"})
+            os.chmod(path, _file_mode())  # safetensors leaves 0600: readable by its owner only
             pending, current = {}, current + 1
     if current != len(shards):
         raise ValueError(f"only {current} of {len(shards)} shards' tensors arrived")
