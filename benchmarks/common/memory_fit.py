@@ -29,12 +29,14 @@ class DoesNotFit(SystemExit):
 
 
 def mem_available() -> int:
-    """Bytes the kernel says can be allocated without swapping (MemAvailable)."""
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("/proc/meminfo has no MemAvailable line")
+    """Bytes the kernel says can be allocated without swapping (MemAvailable), as chunkserve's
+    own dense-copy guard reads them."""
+    from chunkserve.model.layers.quant_linear import mem_available as read
+
+    have = read()
+    if have is None:
+        raise RuntimeError("/proc/meminfo has no MemAvailable line")
+    return have
 
 
 @dataclass(frozen=True)
