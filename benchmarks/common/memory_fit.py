@@ -61,6 +61,15 @@ class GgufSize:
         return cls(os.path.getsize(path), linear, other)
 
 
+def kv_bytes_per_token(path: str) -> int:
+    """A 16-bit K/V cache's bytes per token of the GGUF's model (llama.cpp's f16 default,
+    chunkserve's bf16): layers x K and V x kv heads x head_dim x 2 bytes."""
+    from chunkserve.model.loaders.gguf import read_gguf_config
+
+    c = read_gguf_config(path)
+    return c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * 2
+
+
 def dense_copy_bytes() -> int:
     """Bytes per linear weight of the dense copy chunkserve's quantized linears keep here: the
     bfloat16 kernel hands prefill rows to a dense bf16 GEMM (a copy); the AVX2 kernel takes

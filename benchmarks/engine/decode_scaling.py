@@ -41,7 +41,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from benchmarks.common.host import cpu_info, cpu_model  # noqa: E402
 from benchmarks.common.memory_fit import (chunkserve_gguf_parts, dense_copy_note,  # noqa: E402
-                                          llama_cpp_parts, require_fit)
+                                          kv_bytes_per_token, llama_cpp_parts, require_fit)
 from benchmarks.engine.engine_speed import (DECODE_CONTEXT, MODEL, ModelCost,  # noqa: E402
                                             bench_prefill,
                                             Roofline, bench_decode, make_engine,
@@ -49,7 +49,6 @@ from benchmarks.engine.engine_speed import (DECODE_CONTEXT, MODEL, ModelCost,  #
 from benchmarks.serving.llama_server_build import DEFAULT_CACHE, build  # noqa: E402
 
 from chunkserve.model.factory import LoadedModel, load_model, weight_formats  # noqa: E402
-from chunkserve.model.loaders.gguf import read_gguf_config  # noqa: E402
 from chunkserve.model.loaders.source import resolve_model_path  # noqa: E402
 
 BATCHES = (1, 8, 32, 64)
@@ -193,8 +192,7 @@ def parse_args() -> argparse.Namespace:
 
 def check_memory(gguf: str, batches: tuple[int, ...], steps: int) -> None:
     """Refuses the run, before loading, if either engine would not fit (one runs at a time)."""
-    c = read_gguf_config(gguf)
-    per_token = c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * 2  # 16-bit K/V
+    per_token = kv_bytes_per_token(gguf)
     tokens = llama_cpp_ctx(batches, steps)
     name = os.path.basename(gguf)
     ours = chunkserve_gguf_parts(gguf, per_token * tokens)

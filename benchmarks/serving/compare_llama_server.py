@@ -34,7 +34,8 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from benchmarks.common.host import cpu_info  # noqa: E402
 from benchmarks.common.memory_fit import (GiB, chunkserve_gguf_parts,  # noqa: E402
-                                          dense_copy_note, llama_cpp_parts, require_fit)
+                                          dense_copy_note, kv_bytes_per_token,
+                                          llama_cpp_parts, require_fit)
 from benchmarks.common.report import save_report  # noqa: E402
 from benchmarks.serving import served  # noqa: E402
 from benchmarks.serving.served import CLOSED_LOOP, failed_count, free_port, measure_server  # noqa: E402
@@ -70,10 +71,7 @@ def check_memory(gguf: str) -> None:
     """Refuses the run before either server starts if one would not fit (one runs at a time):
     chunkserve with its default 2 GiB KV pool, llama-server with its f16 cache of every slot."""
     from chunkserve.config import DEFAULT_KV_CACHE_GIB
-    from chunkserve.model.loaders.gguf import read_gguf_config
-
-    c = read_gguf_config(gguf)
-    per_token = c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * 2
+    per_token = kv_bytes_per_token(gguf)
     name = os.path.basename(gguf)
     ours = chunkserve_gguf_parts(gguf, int(DEFAULT_KV_CACHE_GIB * GiB))
     require_fit(f"chunkserve serving {name}", ours)
