@@ -24,15 +24,19 @@ PROMPTS = [
 ]
 
 
-# The C group GEMMs this host runs: its own ("bf16" with AVX512_BF16, else "avx2") and the AVX2
-# build, which every x86-64-v3 CPU runs, so CI tests it on both kinds of host.
-C_KERNELS = {k.name: k for k in (group_gemm.available(), group_gemm.available("avx2")) if k}
+# The C group GEMMs this host runs: its own ("vnni" and "bf16" with AVX512_VNNI and BF16, else
+# "avx2") and the AVX2 build, which every x86-64-v3 CPU runs, so CI tests it on both kinds of
+# host.
+C_KERNELS = {**group_gemm.kernels(), **group_gemm.kernels("avx2")}  # avx2: the AVX2 build
 KERNELS = ["torch", *C_KERNELS]
+# The kernels that round the activations to int8 (per group of 32) and take every row count
+# themselves (no dense copy for prefill rows).
+INT8_ROWS = ("avx2", "vnni")
 
 
 def on_kernel(make, kernel: str, monkeypatch):  # type: ignore[no-untyped-def]
     """`make()`, an Int8Linear or Int4Linear, on PyTorch's kernel ("torch") or on a C group
-    GEMM ("bf16", "avx2")."""
+    GEMM ("vnni", "bf16", "avx2")."""
     monkeypatch.setattr(group_gemm, "available", lambda: C_KERNELS.get(kernel))
     lin = make()
     c = lin.kernel.kernel.name if isinstance(lin.kernel, group_gemm.GroupGemm) else "torch"
@@ -45,7 +49,10 @@ def int8_activations(x: torch.Tensor) -> torch.Tensor:
     rows, k = x.shape
     groups = x.float().reshape(rows, k // 32, 32)
     amax = groups.abs().amax(dim=-1, keepdim=True)
-    levels = torch.round(groups * torch.where(amax > 0, 127.0 / amax, torch.zeros(())))
+    # 127 / amax as the kernels divide (PyTorch's scalar / tensor is a reciprocal times 127,
+    # which moves bf16 inputs' exact ties, such as 63.5, to the level below)
+    inv = torch.full_like(amax, 127.0) / amax
+    levels = torch.round(groups * torch.where(amax > 0, inv, torch.zeros(())))
     return (levels * (amax / 127.0)).reshape(rows, k)
 
 
@@ -83,8 +90,8 @@ def test_int8_kernel_and_dequantized_paths_agree(kernel, rows, dtype, n, monkeyp
     ref = F.linear(x.float(), lin.dequantized())
     out = lin(x)
     assert out.dtype == dtype and out.shape == (rows, n)
-    # the avx2 kernel takes every row: no dense copy
-    assert lin.dense is None if kernel == "avx2" else lin.dense.dtype == dtype
+    # the avx2 and vnni kernels take every row: no dense copy
+    assert lin.dense is None if kernel in INT8_ROWS else lin.dense.dtype == dtype
     # The kernel's path rounds activations and outputs to bfloat16: 2^-8 relative.
     torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
 
@@ -109,6 +116,25 @@ def test_c_int8_kernel_is_exact_over_its_levels(rows, monkeypatch):
     x = torch.randn(rows, 96).bfloat16()
     out = lin.kernel(x)
     ref = F.linear(x.float(), lin.dequantized())
+    torch.testing.assert_close(out.float(), ref, rtol=2 ** -8, atol=1e-4 * ref.abs().max().item())
+
+
+@pytest.mark.skipif("vnni" not in C_KERNELS, reason="the vnni group GEMM needs AVX512_VNNI/BF16")
+@pytest.mark.parametrize("n,k", [(16, 32), (100, 64), (48, 1536), (80, 96)])
+@pytest.mark.parametrize("rows", [1, 6, 7, 8, 13])  # passes of 6 (two blocks) or 8 (one), tails
+def test_vnni_int8_kernel_sums_its_levels_exactly(n, k, rows, monkeypatch):
+    """The vnni kernel quantizes each bf16 row to int8 per group of 32 and sums level products
+    in int32 (its levels stored as level + 128, the offset taken back exactly): its output is
+    the float32 product of the quantized rows and the weights as held, rounded once to bf16."""
+    w = torch.randn(n, k) * torch.linspace(0.01, 2.0, k)  # groups of different range
+    lin = on_kernel(lambda: Int8Linear(w, torch.bfloat16), "vnni", monkeypatch)
+    assert lin.dense is None  # it takes every row
+    x = (torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+         * torch.linspace(2.0, 0.01, k)).bfloat16()
+    x[0, :32] = 0.0  # an all-zero group: scale 0, no division by it
+    out = lin.kernel(x)
+    ref = F.linear(int8_activations(x.float()), lin.dequantized())
+    assert out.shape == (rows, n) and out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), ref, rtol=2 ** -8, atol=1e-4 * ref.abs().max().item())
 
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from test_model_parity import full_logits
-from test_quantization import C_KERNELS, KERNELS, int8_activations, on_kernel
+from test_quantization import C_KERNELS, INT8_ROWS, KERNELS, int8_activations, on_kernel
 
 from chunkserve.model.factory import LoadedModel, cpu_has_avx512_bf16, load_model
 from chunkserve.model.layers import group_gemm
@@ -119,6 +119,28 @@ def test_avx2_int4_kernel_is_exact_on_q4_1_weights(n, k, rows, monkeypatch):
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
 
 
+@pytest.mark.skipif("vnni" not in C_KERNELS, reason="the vnni kernel needs AVX512_VNNI and BF16")
+@pytest.mark.parametrize("n,k", [(16, 32), (100, 64), (48, 1536), (3, 96), (80, 64)])
+# rows: passes of 6 rows over two blocks of 16 channels, 8 over a lone last block (n = 48, 80)
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 8, 9, 13, 17])
+def test_vnni_int4_kernel_is_exact_on_q4_1_weights(n, k, rows, monkeypatch):
+    """The vnni kernel holds a Q4_1 block exactly, quantizes each bf16 row to int8 per group of
+    32 and sums (level - 8) x int8 products in int32; the minimums (of the centred levels)
+    multiply the rows' float sums. Its output is that arithmetic in float32, rounded once to
+    bf16 (channels not a multiple of 16 are padded and dropped)."""
+    w = q4_1_like(n, k, seed=n + rows)
+    lin = on_kernel(lambda: Int4Linear(w, torch.bfloat16), "vnni", monkeypatch)
+    assert torch.equal(lin.kernel.dequantized(), w) and lin.dense is None
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).bfloat16()
+    x[0, :32] = 0.0  # an all-zero group: scale 0, no division by it
+    out = lin.kernel(x)
+    levels, scale, low = quantize_int4(w)
+    lows = (low + 8 * scale).repeat_interleave(GROUP, dim=1)  # the centred levels' minimums
+    ref = F.linear(int8_activations(x.float()), w - lows) + F.linear(x.float(), lows)
+    assert out.shape == (rows, n) and out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref, rtol=2 ** -8, atol=1e-4 * ref.abs().max().item())
+
+
 def test_auto_takes_int4_only_where_the_weights_are_4_bit():
     assert isinstance(make_linear(q4_1_like(32, 64), "auto", torch.bfloat16), Int4Linear)
     assert isinstance(make_linear(torch.randn(32, 64), "auto", torch.bfloat16), Int8Linear)
@@ -161,14 +183,14 @@ def test_smollm2_int4_logits_stay_close_to_float32(fp32_logits, int4, chunk):
     (measured max |d| 0.49-1.02 vs int8's 1.35-2.25; C kernel 0.61-0.84). The avx2 kernel
     also rounds the activations to int8 (per group of 32, as llama.cpp on these formats):
     1.02-1.43, still under per-channel int8's, its AVX2 predecessor (it takes every row, so
-    whole-prompt steps too)."""
+    whole-prompt steps too); the vnni kernel rounds them the same way."""
     assert isinstance(int4.model.layers[0].qkv, Int4Linear)
     assert isinstance(int4.model.lm_head, Int8Linear)  # the Q8_0 embedding is not 4-bit
     kernel = int4.model.layers[0].qkv.kernel
-    avx2 = isinstance(kernel, group_gemm.GroupGemm) and kernel.kernel.name == "avx2"
+    int8_rows = isinstance(kernel, group_gemm.GroupGemm) and kernel.kernel.name in INT8_ROWS
     for ids, ref in fp32_logits:
         out = full_logits(int4.model, ids, chunk=chunk)
-        assert (out - ref).abs().max().item() <= (1.6 if avx2 else 1.3)
+        assert (out - ref).abs().max().item() <= (1.6 if int8_rows else 1.3)
         assert (out.argmax(-1) == ref.argmax(-1)).float().mean().item() >= 0.9
 
 
@@ -191,8 +213,8 @@ def test_a_linear_keeps_no_dense_copy_where_memory_is_short(kernel, monkeypatch)
     before = quant_linear.dense_copies_skipped()
     monkeypatch.setattr(quant_linear, "mem_available", lambda: quant_linear.DENSE_RESERVE_BYTES)
     lean = on_kernel(lambda: Int4Linear(w, torch.bfloat16), kernel, monkeypatch)
-    # The avx2 kernel takes every row anyway: it never has a copy to skip.
-    assert quant_linear.dense_copies_skipped() == before + (kernel != "avx2")
+    # The avx2 and vnni kernels take every row anyway: they never have a copy to skip.
+    assert quant_linear.dense_copies_skipped() == before + (kernel not in INT8_ROWS)
     assert lean.dense is None and lean.kernel.max_rows is None
     x = torch.randn(100, 128).bfloat16()  # a prefill chunk's rows
     ref = F.linear(x.float(), w)
@@ -201,11 +223,12 @@ def test_a_linear_keeps_no_dense_copy_where_memory_is_short(kernel, monkeypatch)
                                    atol=2e-2 * ref.abs().max().item())
 
 
-@pytest.mark.skipif(getattr(group_gemm.available(), "name", "") == "avx2",
-                    reason="the avx2 kernel keeps no dense copies to go without")
+@pytest.mark.skipif("bf16" not in C_KERNELS,
+                    reason="only the bf16 kernel keeps dense copies to go without (AVX512_BF16)")
 def test_load_log_says_how_many_linears_went_without(smollm2_path, monkeypatch, caplog):
     from chunkserve.model.layers import quant_linear
 
+    monkeypatch.setattr(group_gemm, "available", lambda: C_KERNELS["bf16"])
     monkeypatch.setattr(quant_linear, "mem_available", lambda: 0)
     with caplog.at_level("WARNING", logger="chunkserve.model.factory"):
         loaded = load_model(smollm2_path, max_model_len=256, quantization="int8")

@@ -72,14 +72,15 @@ def kv_bytes_per_token(path: str) -> int:
 
 def dense_copy_bytes() -> int:
     """Bytes per linear weight of the dense copy chunkserve's quantized linears keep here: the
-    bfloat16 kernel hands prefill rows to a dense bf16 GEMM (a copy); the AVX2 kernel takes
-    every row count itself (none). No group GEMM at all: int8 through PyTorch, dense float32."""
-    from chunkserve.model.layers import group_gemm
+    bf16 kernel hands prefill rows to a dense bf16 GEMM (a copy); the vnni and avx2 kernels
+    take every row count themselves (none). No group GEMM at all: int8 through PyTorch, dense
+    float32."""
+    from chunkserve.model.layers import group_gemm, linear_int4
 
     kernel = group_gemm.available()
     if kernel is None:
         return 4
-    return 2 if kernel.name == "bf16" else 0
+    return 0 if linear_int4.C_KERNEL_MAX_ROWS[kernel.name] is None else 2
 
 
 def chunkserve_gguf_parts(path: str, kv_bytes: int) -> dict[str, int]:

@@ -4,8 +4,8 @@
 576x1536), each layer its own random weights so that they come from DRAM as in a real step,
 times B rows: F.linear on a plain bf16 weight, the packed dense GEMM (`DenseWeight`, bf16 and
 float32), and int8 and int4 weights on PyTorch's kernels and on the C group GEMM of this CPU
-(group_gemm.py: "bf16" with AVX512_BF16, else "avx2"), `Int8Linear` / `Int4Linear` forced onto
-their kernels at every row count. The quantized layers take the activations their C kernel
+(group_gemm.py: "vnni" with AVX512_VNNI and BF16, else "avx2"), `Int8Linear` / `Int4Linear`
+forced onto their kernels at every row count. The quantized layers take the activations their C kernel
 takes (bfloat16, or float32 for "avx2"). Prints ms for all 120 GEMMs, medians of `--repeats`.
 
     .venv/bin/python benchmarks/kernels/cpu_gemm_formats.py [--rows 1,4,8,16,64]

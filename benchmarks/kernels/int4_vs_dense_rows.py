@@ -45,14 +45,16 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=5)
     args = p.parse_args()
     kernel = group_gemm.available()
-    if kernel is None or kernel.name != "bf16":
-        p.error("this compares the bf16 group GEMM with its dense bf16 copy: it needs "
-                "AVX512_BF16 (the avx2 kernel takes every row already)")
+    if kernel is None or kernel.activations != torch.bfloat16:
+        p.error("this compares a bfloat16-activation group GEMM (vnni or bf16) with its dense "
+                "bf16 copy: it needs AVX512_VNNI or AVX512_BF16 (the avx2 kernel takes every "
+                "row already)")
     rows = [int(r) for r in args.rows.split(",")]
     layer_shapes, layers = shapes(args.model)
     layers = args.layers or layers
-    linear_int4.C_KERNEL_MAX_ROWS["bf16"] = None  # every row on the kernel, and no dense copy
-    print(f"{cpu_model()} | {torch.get_num_threads()} threads | {args.model}: {layers} layers of "
+    linear_int4.C_KERNEL_MAX_ROWS[kernel.name] = None  # every row on the kernel, no dense copy
+    print(f"{cpu_model()} | {torch.get_num_threads()} threads | {kernel.name} kernel | "
+          f"{args.model}: {layers} layers of "
           f"{layer_shapes}", flush=True)
     int4, dense = [], []
     for _ in range(layers):

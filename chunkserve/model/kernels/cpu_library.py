@@ -183,29 +183,40 @@ def load(target: str | None = None) -> ctypes._CFuncPtr:  # type: ignore[name-de
     return fn
 
 
-def load_group_gemm(target: str | None = None
-                    ) -> tuple[str, ctypes._CFuncPtr] | None:  # type: ignore[name-defined]
-    """The GEMM for group-quantized weights and decode rows, as (its name, its entry point):
-    "bf16" (group_gemm_bf16.c) on CPUs with AVX512_BF16, else "avx2" (group_gemm_avx2.c) on
-    CPUs with AVX2, FMA and F16C; None elsewhere or where the kernels do not build. `target`:
-    the instruction set of the build (default: `isa()`)."""
+# The group GEMMs, best first where a build has several (measured: docs/performance.md, issue
+# 54): (name, the C entry point's prefix, whether it takes bfloat16 activations and a y_bf16 flag).
+GROUP_GEMMS = (("vnni", "group_gemm_vnni", True), ("bf16", "group_gemm_bf16", True),
+               ("avx2", "group_gemm_avx2", False))
+
+
+def group_gemms(target: str | None = None
+                ) -> dict[str, ctypes._CFuncPtr]:  # type: ignore[name-defined]
+    """Every group GEMM the build for `target` (default `isa()`) has, by name, best first:
+    "vnni" (group_gemm_vnni.c, AVX512_VNNI), "bf16" (group_gemm_bf16.c, AVX512_BF16), "avx2"
+    (group_gemm_avx2.c, AVX2/FMA/F16C). Empty where the kernels do not build."""
     try:
         lib = library(target)
     except KernelBuildError:
-        return None
-    if lib.group_gemm_bf16_supported():
-        fn = lib.group_gemm_bf16
-        # y, y_bf16, x, M, K, levels, scales, N, bits, num_threads
-        fn.argtypes = [_ptr, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64]
+        return {}
+    found = {}
+    for name, entry, bf16 in GROUP_GEMMS:
+        if not getattr(lib, f"{entry}_supported")():
+            continue
+        fn = getattr(lib, entry)
+        # y, [y_bf16,] x, M, K, levels, scales, N, bits, num_threads
+        fn.argtypes = [_ptr, *([_i64] if bf16 else []), _ptr, _i64, _i64, _ptr, _ptr, _i64,
+                       _i64, _i64]
         fn.restype = ctypes.c_int
-        return "bf16", fn
-    if lib.group_gemm_avx2_supported():
-        fn = lib.group_gemm_avx2
-        # y, x, M, K, levels, scales, N, bits, num_threads
-        fn.argtypes = [_ptr, _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64]
-        fn.restype = ctypes.c_int
-        return "avx2", fn
-    return None
+        found[name] = fn
+    return found
+
+
+def load_group_gemm(target: str | None = None
+                    ) -> tuple[str, ctypes._CFuncPtr] | None:  # type: ignore[name-defined]
+    """The GEMM for group-quantized weights and decode rows, as (its name, its entry point):
+    the first of `group_gemms(target)`; None where there is none."""
+    found = group_gemms(target)
+    return next(iter(found.items()), None)
 
 
 def load_chunk_bf16(head_dim: int, target: str | None = None

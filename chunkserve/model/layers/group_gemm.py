@@ -1,8 +1,13 @@
 """Weights quantized in groups of 32 inputs, multiplied by our C kernels: the decode rows of int4
 (GGUF Q4_1: levels 0..15, a scale and a minimum a group) and int8 (Q8_0: levels -127..127, a
-scale a group) layers. Two kernels, one per kind of CPU (`available()` picks):
-- "bf16", kernels/csrc/group_gemm_bf16.c, CPUs with AVX512_BF16: bfloat16 activations, 16
-  output channels a vector;
+scale a group) layers. Three kernels; `available()` gives the first this CPU runs:
+- "vnni", kernels/csrc/group_gemm_vnni.c, CPUs with AVX512_VNNI and AVX512_BF16: bfloat16
+  activations, quantized to int8 per group of 32 inside the kernel for vpdpbusd (64 byte
+  products an instruction), 16 output channels a vector. Faster than "bf16" at every row count
+  and than the dense bf16 GEMM up to 2,048 rows (docs/performance.md, issue 54), so it takes
+  every row;
+- "bf16", kernels/csrc/group_gemm_bf16.c, the same CPUs: bfloat16 activations exact (each level
+  widened to bf16 for vdpbf16ps), 16 output channels a vector; kept for `kernels()` and tests;
 - "avx2", kernels/csrc/group_gemm_avx2.c, CPUs with AVX2/FMA/F16C: float32 activations,
   quantized to int8 per group of 32 inside the kernel for integer dot products (llama.cpp's
   way on such CPUs), 8 output channels a vector.
@@ -27,17 +32,17 @@ GROUP = 32  # GGUF's Q4_0 / Q4_1 / Q8_0 block size
 
 @dataclass(frozen=True)
 class GroupKernel:
-    name: str  # "bf16" or "avx2"
+    name: str  # "vnni", "bf16" or "avx2"
     fn: ctypes._CFuncPtr  # type: ignore[name-defined]
 
     @property
     def lanes(self) -> int:
         """Output channels a vector: levels are interleaved by this many channels."""
-        return 16 if self.name == "bf16" else 8
+        return 8 if self.name == "avx2" else 16
 
     @property
     def activations(self) -> torch.dtype:
-        return torch.bfloat16 if self.name == "bf16" else torch.float32
+        return torch.float32 if self.name == "avx2" else torch.bfloat16
 
 
 def available(target: str | None = None) -> GroupKernel | None:
@@ -45,6 +50,12 @@ def available(target: str | None = None) -> GroupKernel | None:
     to build for (cpu_library.ISAS; default CHUNKSERVE_CPU_ISA's)."""
     found = cpu_library.load_group_gemm(target)
     return None if found is None else GroupKernel(*found)
+
+
+def kernels(target: str | None = None) -> dict[str, GroupKernel]:
+    """Every group GEMM the build for `target` runs, by name, the one `available()` gives first
+    (for tests and benchmarks that compare them)."""
+    return {name: GroupKernel(name, fn) for name, fn in cpu_library.group_gemms(target).items()}
 
 
 def fits_float16(*tensors: torch.Tensor) -> bool:
@@ -64,12 +75,12 @@ class GroupGemm:
         self.weight_bytes = levels.numel() * levels.element_size() + scales.numel() * 2
         self.n_out = levels.shape[0] * kernel.lanes
         self.levels_ptr, self.scales_ptr = levels.data_ptr(), scales.data_ptr()
-        self._activations, self._bf16 = kernel.activations, kernel.name == "bf16"
-        # bf16 kernel: float32 for a float32 model (QuantizedLinear sets it): its sums are
-        # float32 in the kernel, and a bfloat16 output would round them (and a tensor-parallel
+        self._activations, self._bf16 = kernel.activations, kernel.name != "avx2"
+        # vnni and bf16 kernels: float32 for a float32 model (QuantizedLinear sets it): their
+        # sums are float32 in the kernel, and a bfloat16 output would round them (and a tensor-parallel
         # rank's partial sums before the all-reduce, which then differ from one rank's whole
         # sum). The avx2 kernel always writes float32.
-        self.out_dtype = torch.bfloat16 if kernel.name == "bf16" else torch.float32
+        self.out_dtype = torch.float32 if kernel.name == "avx2" else torch.bfloat16
 
     @classmethod
     def int4(cls, kernel: GroupKernel, levels: torch.Tensor, scale: torch.Tensor,
@@ -77,8 +88,7 @@ class GroupGemm:
         """levels [N, K] 0..15, scale and low (minimum) [N, K/32]."""
         n, lanes = levels.shape[0], kernel.lanes
         levels, scale, low = _pad(lanes, levels, scale, low)
-        pack = _pack_int4_bf16 if kernel.name == "bf16" else _pack_int4_avx2
-        packed = pack(levels.to(torch.uint8), lanes)
+        packed = _PACK_INT4[kernel.name](levels.to(torch.uint8), lanes)
         # [N/lanes, K/32, 2, lanes] float16: scales, then minimums
         blocks, groups = levels.shape[0] // lanes, scale.shape[1]
         sc = torch.stack([scale, low]).to(torch.float16).reshape(
@@ -95,6 +105,10 @@ class GroupGemm:
         lv = levels.to(torch.int8).reshape(blocks, lanes, groups, GROUP // 2, 2)
         if kernel.name == "bf16":  # [N/16, K/32, 16 pairs, 16 channels, 2]
             packed = lv.permute(0, 2, 3, 1, 4).contiguous()
+        elif kernel.name == "vnni":  # [N/16, K/32, 8 quads, 16 channels x 4 inputs], + 128
+            packed = (lv.reshape(blocks, lanes, groups, GROUP // 4, 4).permute(0, 2, 3, 1, 4)
+                      .to(torch.int16) + 128).to(torch.uint8).reshape(
+                blocks, groups, GROUP // 4, 4 * lanes).contiguous()
         else:  # [N/8, K/32, 8 quads, 8 channels x 4 inputs]
             packed = lv.reshape(blocks, lanes, groups, GROUP // 4, 4).permute(
                 0, 2, 3, 1, 4).reshape(blocks, groups, GROUP // 4, 4 * lanes).contiguous()
@@ -107,8 +121,7 @@ class GroupGemm:
         lanes = self.kernel.lanes
         blocks, groups = self.levels.shape[:2]
         if self.bits == 4:
-            unpack = _unpack_int4_bf16 if self.kernel.name == "bf16" else _unpack_int4_avx2
-            lv = unpack(self.levels, lanes)
+            lv = _UNPACK_INT4[self.kernel.name](self.levels, lanes)
             scale, low = (self.scales[:, :, i].permute(0, 2, 1).float() for i in (0, 1))
         else:
             lv = _unpack_int8(self.levels, self.kernel.name, lanes)
@@ -169,11 +182,34 @@ def _unpack_int4_avx2(packed: torch.Tensor, lanes: int) -> torch.Tensor:
     return lv.permute(0, 3, 1, 2, 4)
 
 
+def _pack_int4_vnni(levels: torch.Tensor, lanes: int) -> torch.Tensor:
+    """[N/16, K/32, 4 pairs of quads, 64 bytes]: in pair j, byte 4c + i = channel c's level of
+    input 4j + i (low nibble) | of input 16 + 4j + i (high nibble)."""
+    blocks, groups = levels.shape[0] // lanes, levels.shape[1] // GROUP
+    # [blocks, channels, groups, halves, quads j, 4 inputs i] -> [blocks, groups, halves, j, c, i]
+    lv = levels.reshape(blocks, lanes, groups, 2, GROUP // 8, 4).permute(0, 2, 3, 4, 1, 5)
+    return (lv[:, :, 0] | (lv[:, :, 1] << 4)).reshape(
+        blocks, groups, GROUP // 8, 4 * lanes).contiguous()
+
+
+def _unpack_int4_vnni(packed: torch.Tensor, lanes: int) -> torch.Tensor:
+    blocks, groups = packed.shape[:2]
+    bytes_ = packed.reshape(blocks, groups, GROUP // 8, lanes, 4)  # [B, G, j, c, i]
+    lv = torch.stack([bytes_ & 15, bytes_ >> 4], dim=2)  # [B, G, halves, j, c, i]
+    return lv.permute(0, 4, 1, 2, 3, 5).reshape(blocks, lanes, groups, GROUP)
+
+
+_PACK_INT4 = {"bf16": _pack_int4_bf16, "avx2": _pack_int4_avx2, "vnni": _pack_int4_vnni}
+_UNPACK_INT4 = {"bf16": _unpack_int4_bf16, "avx2": _unpack_int4_avx2, "vnni": _unpack_int4_vnni}
+
+
 def _unpack_int8(packed: torch.Tensor, name: str, lanes: int) -> torch.Tensor:
-    """[N/lanes, lanes channels, K/32, ...] levels from either kernel's int8 layout."""
+    """[N/lanes, lanes channels, K/32, ...] levels from any kernel's int8 layout."""
     if name == "bf16":  # [B, G, 16 pairs, 16, 2]
         return packed.permute(0, 3, 1, 2, 4)
-    blocks, groups = packed.shape[:2]  # [B, G, 8 quads, 8 channels x 4]
+    blocks, groups = packed.shape[:2]  # [B, G, 8 quads, lanes channels x 4]
+    if name == "vnni":  # stored as level + 128
+        packed = (packed.to(torch.int16) - 128).to(torch.int8)
     return packed.reshape(blocks, groups, GROUP // 4, lanes, 4).permute(0, 3, 1, 2, 4)
 
 

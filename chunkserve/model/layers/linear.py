@@ -36,8 +36,10 @@ from chunkserve.model.layers.quant_linear import QuantizedLinear
 # rows, 18.1 vs 12.8 at 16.
 INT8_KERNEL_MAX_ROWS = 8
 # The same for the C group GEMMs' int8 (group_gemm.py). bf16: 5.9 vs 9.1 ms at 8 rows, 11.4 vs
-# 11.2 at 16 (docs/performance.md). avx2: None, every row (as linear_int4.C_KERNEL_MAX_ROWS).
-C_KERNEL_MAX_ROWS: dict[str, int | None] = {"bf16": 16, "avx2": None}
+# 11.2 at 16 (docs/performance.md). vnni and avx2: None, every row (as
+# linear_int4.C_KERNEL_MAX_ROWS; vnni's int8 sums run at its int4 rate, 1.3 TOP/s from cache on
+# a Zen 5 at 32-64 rows against the bf16 kernel's 0.43).
+C_KERNEL_MAX_ROWS: dict[str, int | None] = {"vnni": None, "bf16": 16, "avx2": None}
 
 
 class Linear(Protocol):

@@ -20,12 +20,15 @@ from chunkserve.model.layers.group_gemm import GROUP
 from chunkserve.model.layers.quant_linear import QuantizedLinear
 
 LEVELS = 15
-# Rows up to which each C kernel (group_gemm.py) beats the packed dense GEMM
-# (benchmarks/kernels/cpu_gemm_formats.py, 30 layers of SmolLM2's shapes). bf16, on a Zen 5, two
+# Rows up to which each C kernel (group_gemm.py) beats the packed dense GEMM; None: every row,
+# and no dense copy. vnni, on a Zen 5 (benchmarks/kernels/int4_vs_dense_rows.py): 0.34x the
+# dense bf16 time at 1 row, 0.60x at 8-32, 0.85-0.90x at 64-2,048 over Llama-3.2-1B's 16 layers;
+# 0.33-0.84x at 1-512 rows on SmolLM2's (docs/performance.md, issue 54). bf16 (measured with
+# benchmarks/kernels/cpu_gemm_formats.py, 30 layers of SmolLM2's shapes), on a Zen 5, two
 # runs: 16.5 / 16.1 vs 17.4 / 17.1 ms at 32 rows; 27.0 / 30.4 vs 28.9 / 26.2 at 64, a tie within
-# the noise. avx2: None, every row: against packed float32 on AVX2 (oneDNN kept to AVX2) it was
-# faster at every count measured, 1-256 rows (docs/performance.md, "AVX2 group GEMM").
-C_KERNEL_MAX_ROWS: dict[str, int | None] = {"bf16": 32, "avx2": None}
+# the noise. avx2: against packed float32 on AVX2 (oneDNN kept to AVX2) it was faster at every
+# count measured, 1-256 rows (docs/performance.md, "AVX2 group GEMM").
+C_KERNEL_MAX_ROWS: dict[str, int | None] = {"vnni": None, "bf16": 32, "avx2": None}
 
 
 def quantize_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -2,8 +2,9 @@
 linear_int4.py): decode rows, up to the kernel's `max_rows`, multiply the quantized weights
 through a kernel that streams few bytes; more rows (a prefill chunk) are compute-bound, where
 most kernels lose to a dense GEMM, so they multiply a dense copy in the compute dtype. A kernel
-that beats the dense GEMM at every row count (`max_rows` None: the avx2 group GEMM, whose int8
-products outrun AVX2's float32 FMAs) takes every row, and the layer keeps no dense copy.
+that beats the dense GEMM at every row count (`max_rows` None: the avx2 and vnni group GEMMs,
+whose int8 products outrun float32 FMAs and bfloat16 dot products) takes every row, and the
+layer keeps no dense copy.
 
 A dense copy costs 2-4 bytes a weight beside int4's half byte: an 8B Q4_0 model is 4.4 GiB of
 blocks and 14 GiB of bfloat16 copies, more than many machines that run it with llama.cpp have.
