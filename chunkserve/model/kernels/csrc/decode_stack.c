@@ -1,7 +1,7 @@
 /* A decode step's whole decoder stack in one call: every layer of a Llama-shaped model whose
- * linears run on the AVX2 group GEMM (group_gemm_avx2.c), float32 activations, for steps
- * whose tokens are all decodes (model/fused_decode.py decides, and runs the embedding and the
- * final norm around it).
+ * linears run on one group GEMM with a team entry (group_gemm_avx2.c: float32 activations;
+ * group_gemm_vnni.c: float32 or bfloat16 ones), for steps whose tokens are all decodes
+ * (model/fused_decode.py decides, and runs the embedding and the final norm around it).
  *
  * Why: at one decode a step, each of a layer's ~10 ops cost its time plus a fixed ~5-15 us in
  * Python, ctypes, a tensor allocation and an OpenMP fork-join; measured on a Zen 3 (SmolLM2,
@@ -15,6 +15,12 @@
  *   q = RoPE(q), K/V rows RoPE'd into the paged caches ; a = attention(q, caches)
  *   x = RMSNorm(h += a W_o (+ bias)) ; g = x W_gate_up ; mlp_out = (silu(g0) * g1) W_down
  * The last layer's mlp_out is left in `mlp_out` for the caller's final norm.
+ *
+ * A bfloat16 model (`act_bf16`, vnni GEMM only): the op-by-op path hands each op bfloat16
+ * tensors, so the stack keeps q and the attention's output in bfloat16 (the attention kernel
+ * takes its bfloat16 path, as op by op) and rounds the GEMM outputs to bfloat16's values (after
+ * the bias, as PyTorch's bfloat16 add rounds); the norms' and SiLU's float32 outputs feed only
+ * a GEMM, which rounds its rows to bfloat16 first, as the op-by-op path's rows are.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -35,16 +41,20 @@ typedef struct {
     void *k_cache, *v_cache; /* [blocks, block_size, kv_heads, D] */
 } StackLayer;
 
+enum { GEMM_AVX2 = 0, GEMM_VNNI = 1 };
+
 typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, rotary_dim, intermediate;
     int64_t kv_kind, block_size; /* storage.h's kind: float32 or bfloat16 */
+    int64_t gemm, act_bf16; /* GEMM_*; whether the model's activations are bfloat16 */
     float eps, scale;
 } StackShape;
 
 /* The step's activations between stages; T rows each. */
 typedef struct {
-    float *x, *qkv, *q, *attn, *y, *gate_up, *act;
-    int8_t *xq; /* the group GEMM's quantized rows, and their scales and sums (d) */
+    float *x, *qkv, *q, *attn, *y, *gate_up, *act; /* (q, attn: bfloat16 where act_bf16) */
+    int8_t *xq; /* the group GEMM's quantized rows, and their scales and sums (d: 3 floats a
+                 * group of 32, as either GEMM's team entry takes them) */
     float *d;
 } Workspace;
 
@@ -65,17 +75,26 @@ static void *alloc_workspace(Workspace *w, const StackShape *s, const StackLayer
     return f;
 }
 
-/* y = x W^T (+ bias), T rows of K inputs. Returns nonzero in a thread that failed. */
-static int linear(const StackLinear *w, const float *x, float *y, int64_t T, int64_t K,
-                  const Workspace *ws)
+/* y = x W^T (+ bias), T rows of K inputs; x float32, or bfloat16 where `x_bf16` (the
+ * attention's output in a bfloat16 model; only the vnni GEMM takes it). Returns nonzero in a
+ * thread that failed. */
+static int linear(const StackShape *s, const StackLinear *w, const void *x, int x_bf16,
+                  float *y, int64_t T, int64_t K, const Workspace *ws)
 {
-    const int failed = group_gemm_avx2_team(y, x, T, K, w->levels, w->scales, w->n, w->bits,
-                                            ws->xq, ws->d);
+    const int round = (int)s->act_bf16;
+    const int failed =
+        s->gemm == GEMM_VNNI
+            ? group_gemm_vnni_team(y, x, x_bf16, T, K, w->levels, w->scales, w->n, w->bits,
+                                   round, ws->xq, ws->d)
+            : group_gemm_avx2_team(y, x, T, K, w->levels, w->scales, w->n, w->bits, ws->xq,
+                                   ws->d);
     if (w->bias != NULL) {
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < T; t++)
-            for (int64_t i = 0; i < w->n; i++)
-                y[t * w->n + i] += w->bias[i];
+            for (int64_t i = 0; i < w->n; i++) {
+                const float v = y[t * w->n + i] + w->bias[i];
+                y[t * w->n + i] = round ? round_to_bf16(v) : v;
+            }
     }
     return failed;
 }
@@ -94,18 +113,18 @@ static int layer(const StackShape *s, const StackLayer *l, const float *delta, f
     const int64_t H = s->hidden, QD = s->heads * s->head_dim, I = s->intermediate;
     int failed = 0;
     add_rms_norm_team(h, delta, l->input_norm, w->x, T, H, s->eps);
-    failed |= linear(&l->qkv, w->x, w->qkv, T, H, w);
-    rope_qkv_to_cache_team(w->qkv, cos, sin, w->q, l->k_cache, l->v_cache,
+    failed |= linear(s, &l->qkv, w->x, 0, w->qkv, T, H, w);
+    rope_qkv_to_cache_team(w->qkv, cos, sin, w->q, s->act_bf16, l->k_cache, l->v_cache,
                            s->kv_kind == KIND_BF16, a->slots, T, s->heads, s->kv_heads,
                            s->head_dim, s->rotary_dim, l->q_norm, l->k_norm, s->eps);
-    paged_decode_team(plan, scratch, w->attn, w->q, l->k_cache, l->v_cache, s->kv_kind,
-                      a->block_table, a->table_width, a->seq_lens, a->rows, a->num_seqs,
+    paged_decode_team(plan, scratch, w->attn, w->q, s->act_bf16, l->k_cache, l->v_cache,
+                      s->kv_kind, a->block_table, a->table_width, a->seq_lens, a->rows, a->num_seqs,
                       a->window, s->heads, s->kv_heads, s->head_dim, s->block_size, s->scale);
-    failed |= linear(&l->o, w->attn, w->y, T, QD, w);
+    failed |= linear(s, &l->o, w->attn, (int)s->act_bf16, w->y, T, QD, w);
     add_rms_norm_team(h, w->y, l->post_norm, w->x, T, H, s->eps);
-    failed |= linear(&l->gate_up, w->x, w->gate_up, T, H, w);
+    failed |= linear(s, &l->gate_up, w->x, 0, w->gate_up, T, H, w);
     silu_and_mul_team(w->gate_up, w->act, T, I);
-    failed |= linear(&l->down, w->act, mlp_out, T, I, w);
+    failed |= linear(s, &l->down, w->act, 0, mlp_out, T, I, w);
     return failed;
 }
 

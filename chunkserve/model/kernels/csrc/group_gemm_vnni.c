@@ -45,6 +45,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "team.h"
+
 #define GROUP 32
 #define LANES 16
 /* Rows a pass over one block (8 sums + 8 outputs) and over two (2 x 2 x 6) in registers;
@@ -76,31 +78,46 @@ typedef struct {
     int32_t *start;
 } Quantized;
 
-static void quantize_rows(const uint16_t *x, int64_t M, int64_t K, int bits, Quantized *q,
-                          int64_t num_threads)
+/* 16 float32 values rounded to the nearest bfloat16 (ties to even), as float32: what the
+ * op-by-op path's bfloat16 tensors hold (storage.h's `store`, PyTorch's conversion). */
+static inline __m512 round_bf16(__m512 v)
+{
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    const __m512i up = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd));
+    return _mm512_castsi512_ps(_mm512_and_si512(up, _mm512_set1_epi32((int)0xFFFF0000)));
+}
+
+/* Row m of x quantized: x bfloat16 (`f32` 0), or float32 rounded to bfloat16 first (the fused
+ * decode step's rows: the same levels as the op-by-op path's bfloat16 rows). */
+static void quantize_row(const void *x, int f32, int64_t m, int64_t K, int bits,
+                         const Quantized *q)
 {
     const int32_t centre = bits == 4 ? -8 : -128;
-    /* threads only for prefill-sized inputs: a decode row's few groups cost less than a fork */
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (M * K >= 1 << 16)
-    for (int64_t m = 0; m < M; m++)
-        for (int64_t g = 0; g < K / GROUP; g++) {
-            const int64_t at = m * K + g * GROUP, i = m * (K / GROUP) + g;
-            const __m512i a = _mm512_loadu_si512(x + at); /* 32 bf16 */
-            const __m512 lo = _mm512_castsi512_ps(
+    for (int64_t g = 0; g < K / GROUP; g++) {
+        const int64_t at = m * K + g * GROUP, i = m * (K / GROUP) + g;
+        __m512 lo, hi;
+        if (f32) {
+            lo = round_bf16(_mm512_loadu_ps((const float *)x + at));
+            hi = round_bf16(_mm512_loadu_ps((const float *)x + at + 16));
+        } else {
+            const __m512i a = _mm512_loadu_si512((const uint16_t *)x + at); /* 32 bf16 */
+            lo = _mm512_castsi512_ps(
                 _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(a)), 16));
-            const __m512 hi = _mm512_castsi512_ps(
+            hi = _mm512_castsi512_ps(
                 _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(a, 1)), 16));
-            const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo),
-                                                                 _mm512_abs_ps(hi)));
-            const float d = top / 127.0f, inv = top > 0.0f ? 127.0f / top : 0.0f;
-            const __m512i ql = _mm512_cvtps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(inv)));
-            const __m512i qh = _mm512_cvtps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(inv)));
-            _mm_storeu_si128((__m128i *)(q->xq + at), _mm512_cvtsepi32_epi8(ql));
-            _mm_storeu_si128((__m128i *)(q->xq + at + 16), _mm512_cvtsepi32_epi8(qh));
-            q->d[i] = d;
-            q->s[i] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
-            q->start[i] = centre * _mm512_reduce_add_epi32(_mm512_add_epi32(ql, qh));
         }
+        const float top =
+            _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+        const float d = top / 127.0f, inv = top > 0.0f ? 127.0f / top : 0.0f;
+        const __m512i ql = _mm512_cvtps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(inv)));
+        const __m512i qh = _mm512_cvtps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(inv)));
+        _mm_storeu_si128((__m128i *)(q->xq + at), _mm512_cvtsepi32_epi8(ql));
+        _mm_storeu_si128((__m128i *)(q->xq + at + 16), _mm512_cvtsepi32_epi8(qh));
+        q->d[i] = d;
+        q->s[i] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+        q->start[i] = centre * _mm512_reduce_add_epi32(_mm512_add_epi32(ql, qh));
+    }
 }
 
 /* Rows m0 .. m0+R-1 of y for NB blocks of 16 channels (NB = 2: 32 channels, each row's
@@ -191,19 +208,18 @@ vnni_block(const int bits, const int NB, const Quantized *x, int64_t K, const ui
             _mm512_store_ps(out + (r * NB + b) * LANES, y[b][r]);
 }
 
-/* y's 16 values at `at`, as float32 or bfloat16 (rounded to nearest even, without needing
- * AVX512_BF16). */
-static inline void store_row(void *y, int64_t y_bf16, int64_t at, __m512 v)
+/* How a task stores its outputs: float32, bfloat16, or float32 rounded to bfloat16's values
+ * (the fused decode step of a bfloat16 model: what the op-by-op path's bfloat16 outputs hold). */
+enum { OUT_F32 = 0, OUT_BF16 = 1, OUT_F32_ROUNDED = 2 };
+
+static inline void store_row(void *y, int mode, int64_t at, __m512 v)
 {
-    if (!y_bf16) {
-        _mm512_storeu_ps((float *)y + at, v);
-        return;
-    }
-    const __m512i bits = _mm512_castps_si512(v);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd));
-    _mm256_storeu_si256((__m256i *)((uint16_t *)y + at),
-                        _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+    if (mode == OUT_BF16)
+        _mm256_storeu_si256((__m256i *)((uint16_t *)y + at),
+                            _mm512_cvtepi32_epi16(_mm512_srli_epi32(
+                                _mm512_castps_si512(round_bf16(v)), 16)));
+    else
+        _mm512_storeu_ps((float *)y + at, mode == OUT_F32_ROUNDED ? round_bf16(v) : v);
 }
 
 /* One pass of `rows` rows (1..ROWS for one block, 1..PAIR_ROWS for two), NB, R and bits made
@@ -225,6 +241,27 @@ static void channel_rows(int bits, int NB, const Quantized *x, int64_t K, const 
 #undef CASE
     }
 }
+/* Task t (two blocks of 16 channels, or the lone last one) over every row of x. */
+static void run_task(int64_t t, void *y, int mode, const Quantized *q, int64_t M, int64_t K,
+                     const void *qw, const void *sc, int64_t N, int bits)
+{
+    const int64_t level_bytes = bits == 4 ? K / 2 : K;
+    const int64_t scales = bits == 4 ? 2 * K / GROUP : K / GROUP; /* a channel's */
+    const int64_t blocks = N / LANES, b0 = 2 * t, nb = blocks - b0 < 2 ? 1 : 2;
+    const int64_t step = nb == 2 ? PAIR_ROWS : ROWS;
+    const uint8_t *w = (const uint8_t *)qw + b0 * level_bytes * LANES;
+    const uint16_t *s = (const uint16_t *)sc + b0 * scales * LANES;
+    float out[ROWS * 2 * LANES] __attribute__((aligned(64)));
+    for (int64_t m0 = 0; m0 < M; m0 += step) {
+        const int64_t rows = M - m0 < step ? M - m0 : step;
+        channel_rows(bits, (int)nb, q, K, w, level_bytes * LANES, s, scales * LANES, m0, rows,
+                     out);
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t b = 0; b < nb; b++)
+                store_row(y, mode, (m0 + r) * N + (b0 + b) * LANES,
+                          _mm512_load_ps(out + (r * nb + b) * LANES));
+    }
+}
 #else
 #define HAVE_VNNI_KERNEL 0
 #endif
@@ -240,28 +277,16 @@ int group_gemm_vnni(void *y, int64_t y_bf16, const void *x, int64_t M, int64_t K
     const int64_t groups = M * (K / GROUP);
     Quantized q = {malloc((size_t)(M * K)), malloc(sizeof(float) * groups),
                    malloc(sizeof(float) * groups), malloc(sizeof(int32_t) * groups)};
-    int failed = q.xq == NULL || q.d == NULL || q.s == NULL || q.start == NULL;
+    const int failed = q.xq == NULL || q.d == NULL || q.s == NULL || q.start == NULL;
     if (!failed) {
-        quantize_rows(x, M, K, (int)bits, &q, num_threads);
-        const int64_t level_bytes = bits == 4 ? K / 2 : K;
-        const int64_t scales = bits == 4 ? 2 * K / GROUP : K / GROUP; /* a channel's */
-        const int64_t blocks = N / LANES, tasks = (blocks + 1) / 2;
+        /* threads only for prefill-sized inputs: a decode row's groups cost less than a fork */
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (M * K >= 1 << 16)
+        for (int64_t m = 0; m < M; m++)
+            quantize_row(x, 0, m, K, (int)bits, &q);
+        const int64_t tasks = (N / LANES + 1) / 2;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
-        for (int64_t t = 0; t < tasks; t++) {
-            const int64_t b0 = 2 * t, nb = blocks - b0 < 2 ? 1 : 2, step = nb == 2 ? PAIR_ROWS : ROWS;
-            const uint8_t *w = (const uint8_t *)qw + b0 * level_bytes * LANES;
-            const uint16_t *s = (const uint16_t *)sc + b0 * scales * LANES;
-            float out[ROWS * 2 * LANES] __attribute__((aligned(64)));
-            for (int64_t m0 = 0; m0 < M; m0 += step) {
-                const int64_t rows = M - m0 < step ? M - m0 : step;
-                channel_rows((int)bits, (int)nb, &q, K, w, level_bytes * LANES, s,
-                             scales * LANES, m0, rows, out);
-                for (int64_t r = 0; r < rows; r++)
-                    for (int64_t b = 0; b < nb; b++)
-                        store_row(y, y_bf16, (m0 + r) * N + (b0 + b) * LANES,
-                                  _mm512_load_ps(out + (r * nb + b) * LANES));
-            }
-        }
+        for (int64_t t = 0; t < tasks; t++)
+            run_task(t, y, y_bf16 ? OUT_BF16 : OUT_F32, &q, M, K, qw, sc, N, (int)bits);
     }
     free(q.xq), free(q.d), free(q.s), free(q.start);
     return failed;
@@ -269,5 +294,30 @@ int group_gemm_vnni(void *y, int64_t y_bf16, const void *x, int64_t M, int64_t K
     (void)y, (void)y_bf16, (void)x, (void)M, (void)K, (void)qw, (void)sc, (void)N, (void)bits,
         (void)num_threads;
     return 2;
+#endif
+}
+
+/* The fused decode step's entry (team.h): bfloat16 rows, or float32 ones rounded to bfloat16
+ * as the op-by-op path's are; float32 outputs (`round_out`: rounded to bfloat16's values).
+ * xq [M, K] and d [3 M K / 32] are the caller's scratch. */
+int group_gemm_vnni_team(float *y, const void *x, int64_t x_bf16, int64_t M, int64_t K,
+                         const void *qw, const void *sc, int64_t N, int64_t bits,
+                         int64_t round_out, int8_t *xq, float *d)
+{
+#if HAVE_VNNI_KERNEL
+    const int64_t groups = M * (K / GROUP);
+    const Quantized q = {xq, d, d + groups, (int32_t *)(d + 2 * groups)};
+#pragma omp for schedule(static)
+    for (int64_t m = 0; m < M; m++)
+        quantize_row(x, !x_bf16, m, K, (int)bits, &q);
+    const int64_t tasks = (N / LANES + 1) / 2;
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < tasks; t++)
+        run_task(t, y, round_out ? OUT_F32_ROUNDED : OUT_F32, &q, M, K, qw, sc, N, (int)bits);
+    return 0;
+#else
+    (void)y, (void)x, (void)x_bf16, (void)M, (void)K, (void)qw, (void)sc, (void)N, (void)bits,
+        (void)round_out, (void)xq, (void)d;
+    return 1;
 #endif
 }

@@ -136,10 +136,11 @@ void rope_split_qkv(const void *qkv, const float *cos, const float *sin, void *q
     }
 }
 
-void rope_qkv_to_cache_team(const float *qkv, const float *cos, const float *sin, float *q,
-                            void *k_cache, void *v_cache, int64_t kv_bf16, const int64_t *slots,
-                            int64_t T, int64_t heads, int64_t kv_heads, int64_t D, int64_t R,
-                            const float *q_norm, const float *k_norm, float eps)
+void rope_qkv_to_cache_team(const float *qkv, const float *cos, const float *sin, void *q,
+                            int64_t q_bf16, void *k_cache, void *v_cache, int64_t kv_bf16,
+                            const int64_t *slots, int64_t T, int64_t heads, int64_t kv_heads,
+                            int64_t D, int64_t R, const float *q_norm, const float *k_norm,
+                            float eps)
 {
     const int64_t width = (heads + 2 * kv_heads) * D, row = kv_heads * D;
     const int b = (int)kv_bf16;
@@ -147,8 +148,8 @@ void rope_qkv_to_cache_team(const float *qkv, const float *cos, const float *sin
     for (int64_t t = 0; t < T; t++) {
         const float *c = cos + t * (R / 2), *s = sin + t * (R / 2);
         for (int64_t h = 0; h < heads; h++)
-            rope_head(qkv, t * width + h * D, 0, q, (t * heads + h) * D, 0, D, R, c, s, q_norm,
-                      eps);
+            rope_head(qkv, t * width + h * D, 0, q, (t * heads + h) * D, (int)q_bf16, D, R, c, s,
+                      q_norm, eps);
         if (slots[t] < 0)
             continue; /* a padding token's */
         for (int64_t h = 0; h < kv_heads; h++)

@@ -290,15 +290,15 @@ static void decode_team(const DecodePlan *p, float *scratch, void *out, const vo
                         p->acc + p->first[s2] * heads * head_dim, qf);
 }
 
-void paged_decode_team(const DecodePlan *p, float *scratch, float *out, const float *q,
-                       const void *k_cache, const void *v_cache, int64_t kv_kind,
+void paged_decode_team(const DecodePlan *p, float *scratch, void *out, const void *q,
+                       int64_t bf16, const void *k_cache, const void *v_cache, int64_t kv_kind,
                        const int64_t *block_table, int64_t table_width, const int64_t *seq_lens,
                        const int64_t *rows, int64_t num_seqs, int64_t window, int64_t heads,
                        int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale)
 {
     const Cache c = {k_cache, v_cache, heads, kv_heads, block_size, scale};
-    decode_team(p, scratch, out, q, 0, &c, kv_kind, block_table, table_width, seq_lens, rows,
-                num_seqs, window, head_dim);
+    decode_team(p, scratch, out, q, (int)bf16, &c, kv_kind, block_table, table_width, seq_lens,
+                rows, num_seqs, window, head_dim);
 }
 
 int paged_decode_attention(void *out, const void *q, const void *k_cache, const void *v_cache,

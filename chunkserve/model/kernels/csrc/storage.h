@@ -50,6 +50,15 @@ static inline size_t kind_bytes(const int kind)
     return kind == KIND_F32 ? 4 : kind == KIND_BF16 ? 2 : 1;
 }
 
+/* x rounded to the nearest bfloat16 (ties to even, as `store`), as float32. */
+static inline float round_to_bf16(float x)
+{
+    uint32_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    bits += 0x7FFF + ((bits >> 16) & 1);
+    return bf16_bits_to_float((uint16_t)(bits >> 16));
+}
+
 /* Stores x as float32 or bfloat16 (`bf16`: kinds 0 and 1; outputs are never fp8). */
 static inline void store(void *p, int64_t i, float x, const int bf16)
 {
