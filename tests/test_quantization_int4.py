@@ -223,6 +223,26 @@ def test_a_linear_keeps_no_dense_copy_where_memory_is_short(kernel, monkeypatch)
                                    atol=2e-2 * ref.abs().max().item())
 
 
+@pytest.mark.parametrize("make", [Int4Linear, Int8Linear], ids=["int4", "int8"])
+@pytest.mark.parametrize("kernel", INT8_ROWS)
+def test_a_kernel_that_takes_every_row_builds_no_dense_weights(kernel, make, monkeypatch):
+    """The avx2 and vnni kernels take every row count, so a layer on them never dequantizes
+    its weights at load (4 bytes a weight of time and peak memory at real sizes)."""
+    if kernel not in C_KERNELS:
+        pytest.skip(f"this CPU has no {kernel} group GEMM")
+
+    def refuse(self: group_gemm.GroupGemm) -> torch.Tensor:
+        raise AssertionError("a dense copy was built")
+
+    w = q4_1_like(64, 128, seed=3)
+    monkeypatch.setattr(group_gemm.GroupGemm, "dequantized", refuse)
+    lin = on_kernel(lambda: make(w, torch.float32), kernel, monkeypatch)
+    assert lin.dense is None and lin.shape == (64, 128)
+    x = torch.randn(40, 128)  # more rows than any dense crossover
+    ref = F.linear(x, w)
+    torch.testing.assert_close(lin(x), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+
+
 @pytest.mark.skipif("bf16" not in C_KERNELS,
                     reason="only the bf16 kernel keeps dense copies to go without (AVX512_BF16)")
 def test_load_log_says_how_many_linears_went_without(smollm2_path, monkeypatch, caplog):

@@ -113,7 +113,7 @@ class Int8Linear(QuantizedLinear):
             kernel = group_gemm.GroupGemm.int8(c, levels, scales, C_KERNEL_MAX_ROWS[c.name])
         else:
             kernel = TorchInt8(w, row_absmax)
-        super().__init__(kernel, kernel.dequantized(), dtype, bias)
+        super().__init__(kernel, kernel.dequantized, tuple(w.shape), dtype, bias)
 
     def dequantized(self) -> torch.Tensor:
         """The weights as the kernel holds them, in float32."""

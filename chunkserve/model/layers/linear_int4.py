@@ -121,7 +121,8 @@ class Int4Linear(QuantizedLinear):
             kernel = group_gemm.GroupGemm.int4(c, levels, scale, low, C_KERNEL_MAX_ROWS[c.name])
             # Prefill rows multiply the same weights (its float16 scales: exact for a GGUF's
             # blocks, and what its decode rows use).
-            super().__init__(kernel, kernel.dequantized(), dtype, bias)
+            super().__init__(kernel, kernel.dequantized, tuple(weight.shape), dtype, bias)
         else:
-            super().__init__(TorchInt4(levels, scale, low), dequantize_int4(levels, scale, low),
+            super().__init__(TorchInt4(levels, scale, low),
+                             lambda: dequantize_int4(levels, scale, low), tuple(weight.shape),
                              dtype, bias)

@@ -13,7 +13,7 @@ that the kernel takes every row of the layer (prefill slower, nothing killed for
 the load log says how many layers went without (`dense_copies_skipped`)."""
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
@@ -56,25 +56,28 @@ class QuantKernel(Protocol):
 
 
 class QuantizedLinear:
-    def __init__(self, kernel: QuantKernel, dense: torch.Tensor, dtype: torch.dtype,
+    def __init__(self, kernel: QuantKernel, dense: Callable[[], torch.Tensor],
+                 shape: tuple[int, int], dtype: torch.dtype,
                  bias: torch.Tensor | None = None) -> None:
-        """`dense`: the weights as the kernel holds them (float32); `dtype`: the activations'
-        (the model's compute dtype), and the dense copy's; `bias`: kept in `dtype`, not
-        quantized (Qwen2's q/k/v)."""
+        """`dense`: makes the weights as the kernel holds them (float32, `shape`), called only
+        where a dense copy is kept: a kernel that takes every row needs none, and building one
+        would cost each layer 4 bytes a weight of load time and peak memory for nothing;
+        `dtype`: the activations' (the model's compute dtype), and the dense copy's; `bias`:
+        kept in `dtype`, not quantized (Qwen2's q/k/v)."""
         self.kernel = kernel
         self.dtype = dtype
         if dtype == torch.float32 and hasattr(kernel, "out_dtype"):
             kernel.out_dtype = torch.float32  # no bfloat16 rounding of a float32 model's sums
         self.dense = None
         if kernel.max_rows is not None:
-            if room_for_dense_copy(dense.numel() * dtype.itemsize):
-                self.dense = DenseWeight(dense.to(dtype), bias)
+            if room_for_dense_copy(shape[0] * shape[1] * dtype.itemsize):
+                self.dense = DenseWeight(dense().to(dtype), bias)
             else:
                 global _skipped
                 _skipped += 1
                 kernel.max_rows = None  # every row through the kernel
         self.bias = None if bias is None else bias.to(dtype).contiguous()
-        self.shape: tuple[int, int] = tuple(dense.shape)  # type: ignore[assignment]
+        self.shape = shape
         # What a decode step reads; prefill chunks read `dense` (not counted: compute-bound).
         self.weight_bytes = kernel.weight_bytes
 
