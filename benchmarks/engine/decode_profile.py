@@ -1,5 +1,6 @@
 """Where a decode step's time goes at real sizes: each linear's share, timed inside the engine's
-own steps, and the rest (attention, norms, RoPE, sampling, Python).
+own steps, and the rest (attention, norms, RoPE, sampling, Python). With --prefill N, the same
+for a step that prefills one N-token prompt (each linear then also says the GMAC/s it reached).
 
 PyTorch's profiler sees little of a step here: the model runs on the engine's compute thread
 and every quantized linear is one ctypes call into our C group GEMM. So this wraps
@@ -8,6 +9,7 @@ clock's ~0.1 us each is under 0.5% of a 1B step) and sums by weight shape. Each 
 the bandwidth that linear reached: bytes it streams (as stored) over its time.
 
     .venv/bin/python benchmarks/engine/decode_profile.py --model FILE.gguf [--batch 1] [--steps 16]
+        [--prefill 512]
 """
 from __future__ import annotations
 
@@ -23,7 +25,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from benchmarks.common.host import cpu_model  # noqa: E402
-from benchmarks.engine.engine_speed import DECODE_CONTEXT, make_engine, prompt  # noqa: E402
+from benchmarks.engine.engine_speed import (DECODE_CONTEXT, make_engine, prompt,  # noqa: E402
+                                            run_prefill)
 
 from chunkserve.model.factory import load_model, weight_formats  # noqa: E402
 from chunkserve.model.layers import quant_linear  # noqa: E402
@@ -75,14 +78,37 @@ def profile_steps(model: str, batch: int,
     return total / steps, per_step, weight_formats(loaded.model)
 
 
-def report(step: float, spent: dict[Key, tuple[float, float]], batch: int) -> str:
-    lines = [f"B={batch}: step {step * 1e3:.2f} ms", "",
-             "| linear (out x in) | calls / step | MB streamed / step | ms / step | share | GB/s |",
-             "|---|---:|---:|---:|---:|---:|"]
+def profile_prefill(model: str, tokens: int,
+                    steps: int) -> tuple[float, dict[Key, tuple[float, float]], str]:
+    """As profile_steps, over `steps` steps that each prefill one fresh `tokens`-token prompt."""
+    loaded = load_model(model, "auto", max_model_len=tokens + 512)
+    engine, _ = make_engine(loaded, (tokens,), (1,), 1)
+    spent: dict[Key, list[float]] = collections.defaultdict(lambda: [0.0, 0.0])
+    total = 0.0
+    try:
+        run_prefill(engine, tokens, salt=0)  # warm the kernels and the allocator once
+        with timed_linears(spent):
+            for r in range(steps):
+                total += run_prefill(engine, tokens, salt=r + 1)
+    finally:
+        engine.close()
+    per_step = {k: (t / steps, n / steps) for k, (t, n) in spent.items()}
+    return total / steps, per_step, weight_formats(loaded.model)
+
+
+def report(step: float, spent: dict[Key, tuple[float, float]], batch: int,
+           rows: int) -> str:
+    """`rows`: the tokens each linear call multiplies (the batch in decode, the prompt in
+    prefill; the head's call takes fewer there, so its GMAC/s is an upper bound)."""
+    title = f"B={batch}" if rows == batch else f"prefill of {rows} tokens"
+    lines = [f"{title}: step {step * 1e3:.2f} ms", "",
+             "| linear (out x in) | calls / step | MB streamed / step | ms / step | share | GB/s "
+             "| GMAC/s |", "|---|---:|---:|---:|---:|---:|---:|"]
     for ((n, k), nbytes), (seconds, calls) in sorted(spent.items(), key=lambda kv: -kv[1][0]):
         streamed = nbytes * calls
         lines.append(f"| {n} x {k} | {calls:.0f} | {streamed / 1e6:.0f} | {seconds * 1e3:.2f} | "
-                     f"{seconds / step:.0%} | {streamed / seconds / 1e9:.1f} |")
+                     f"{seconds / step:.0%} | {streamed / seconds / 1e9:.1f} "
+                     f"| {rows * n * k * calls / seconds / 1e9:.1f} |")
     rest = step - sum(t for t, _ in spent.values())
     lines.append(f"| everything else (attention, norms, RoPE, sampling, Python) | | | "
                  f"{rest * 1e3:.2f} | {rest / step:.0%} | |")
@@ -94,10 +120,17 @@ def main() -> int:
     p.add_argument("--model", required=True, help="a GGUF (or any --model value)")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--prefill", type=int, default=0,
+                   help="profile steps that prefill one prompt of this many tokens instead")
     args = p.parse_args()
     print(cpu_model(), flush=True)
-    step, spent, formats = profile_steps(args.model, args.batch, args.steps)
-    print(f"linears: {formats}\n\n{report(step, spent, args.batch)}")
+    if args.prefill:
+        step, spent, formats = profile_prefill(args.model, args.prefill, args.steps)
+        rows = args.prefill
+    else:
+        step, spent, formats = profile_steps(args.model, args.batch, args.steps)
+        rows = args.batch
+    print(f"linears: {formats}\n\n{report(step, spent, args.batch, rows)}")
     return 0
 
 

@@ -30,7 +30,9 @@ from benchmarks.common.host import cpu_model  # noqa: E402
 from benchmarks.kernels.decode_kernel_ab import (  # noqa: E402
     KERNEL_DIR, baseline_sources, build_library)
 
-SHAPES = ((576, 960), (576, 576), (576, 3072), (1536, 576))  # (K, N) of SmolLM2's GEMMs
+# (K, N) of a layer's four GEMMs: qkv, o, gate_up, down
+SHAPES = {"smollm2": ((576, 960), (576, 576), (576, 3072), (1536, 576)),
+          "llama-3.2-1b": ((2048, 3072), (2048, 2048), (2048, 16384), (8192, 2048))}
 GROUP = 32
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
@@ -45,16 +47,20 @@ def load(source_dir: str, out_dir: str) -> ctypes._CFuncPtr:  # type: ignore[nam
     return fn
 
 
-def weights(layers: int, bits: int, rng: np.random.Generator
-            ) -> list[tuple[int, int, np.ndarray, np.ndarray]]:
+def weights(layers: int, bits: int, rng: np.random.Generator, shapes: tuple[tuple[int, int], ...],
+            centred: bool = False) -> list[tuple[int, int, np.ndarray, np.ndarray]]:
     """(K, N, levels, scales) of every layer's four GEMMs, in the kernel's byte sizes: any bytes
-    are valid levels; scales and minimums are float16 of ~0.01."""
+    are valid levels; scales and minimums are float16 of ~0.01 (with `centred`, int4's
+    minimums are -8 scales, as a GGUF's Q4_0 blocks load)."""
     out = []
     for _ in range(layers):
-        for k, n in SHAPES:
+        for k, n in shapes:
             levels = rng.integers(0, 256, size=n * k // (8 // bits), dtype=np.uint8)
             per_group = 2 if bits == 4 else 1  # int4: a scale and a minimum
             scales = (rng.random(n * k // GROUP * per_group) * 0.02 - 0.01).astype(np.float16)
+            if bits == 4 and centred:  # Q4_0's blocks: each group's minimum is -8 scale
+                pairs = scales.reshape(-1, 2, 8)  # [blocks x groups, scale / minimum, 8]
+                pairs[:, 1] = pairs[:, 0] * np.float16(-8)
             out.append((k, n, levels, scales))
     return out
 
@@ -77,21 +83,29 @@ def main() -> None:
     p.add_argument("--bits", type=int, choices=(4, 8), default=4)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--shapes", choices=sorted(SHAPES), default="smollm2",
+                   help="whose four GEMM shapes a layer has")
+    p.add_argument("--q4-0", action="store_true",
+                   help="int4 minimums of -8 scales, as Q4_0's blocks load (else random)")
     args = p.parse_args()
     rng = np.random.default_rng(0)
-    w = weights(args.layers, args.bits, rng)
+    shapes = SHAPES[args.shapes]
+    w = weights(args.layers, args.bits, rng, shapes, centred=args.q4_0)
+    macs = sum(k * n for k, n, _, _ in w)  # a row's multiply-adds in one measurement
+    minimums = " (Q4_0 minimums)" if args.q4_0 else ""
     print(f"{cpu_model()} | {args.threads} threads | int{args.bits}, {args.layers} layers of "
-          f"SmolLM2's four GEMM shapes ({sum(v[2].nbytes for v in w) / 1e6:.0f} MB of levels)")
+          f"{args.shapes}'s four GEMM shapes{minimums} "
+          f"({sum(v[2].nbytes for v in w) / 1e6:.0f} MB of levels)")
     print(f"| rows | {args.baseline} ms | this tree ms | ratio (this tree / baseline) "
-          "| max abs difference |\n|---:|---:|---:|---:|---:|")
+          "| this tree GMAC/s | max abs difference |\n|---:|---:|---:|---:|---:|---:|")
     with tempfile.TemporaryDirectory() as tmp:
         base = os.path.join(tmp, "base")
         os.makedirs(base)
         kernels = {args.baseline: load(baseline_sources(args.baseline, base), base),
                    "this tree": load(os.path.join(REPO, KERNEL_DIR), tmp)}
         for rows in (int(r) for r in args.rows.split(",")):
-            x = rng.standard_normal((rows, max(k for k, _ in SHAPES))).astype(np.float32)
-            ys = {name: np.zeros((rows, max(n for _, n in SHAPES)), np.float32)
+            x = rng.standard_normal((rows, max(k for k, _ in shapes))).astype(np.float32)
+            ys = {name: np.zeros((rows, max(n for _, n in shapes)), np.float32)
                   for name in kernels}
             times: dict[str, list[float]] = {name: [] for name in kernels}
             order = list(kernels.items())
@@ -102,7 +116,8 @@ def main() -> None:
                         times[name].append(spent)
             a, b = (statistics.median(t) * 1e3 for t in times.values())
             diff = float(np.abs(ys[args.baseline] - ys["this tree"]).max())
-            print(f"| {rows} | {a:.2f} | {b:.2f} | {b / a:.3f} | {diff:.3g} |", flush=True)
+            print(f"| {rows} | {a:.2f} | {b:.2f} | {b / a:.3f} | {rows * macs / b / 1e6:.1f} "
+                  f"| {diff:.3g} |", flush=True)
 
 
 if __name__ == "__main__":
