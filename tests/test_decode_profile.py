@@ -30,6 +30,13 @@ def test_timed_linears_counts_calls_and_restores_the_method():
 def test_report_rows_and_the_rest():
     spent = {((16384, 2048), 17_000_000): (0.006, 16.0), ((128256, 2048), 270_000_000): (0.005, 1.0)}
     text = dp.report(0.020, spent, batch=1)
-    assert "| 16384 x 2048 | 16 | 272 | 6.00 | 30% | 45.3 |" in text
-    assert "| 128256 x 2048 | 1 | 270 | 5.00 | 25% | 54.0 |" in text
+    assert "| 16384 x 2048 | 16 | 272 | 6.00 | 30% | 45.3 | 89.5 |" in text
+    assert "| 128256 x 2048 | 1 | 270 | 5.00 | 25% | 54.0 | 52.5 |" in text
     assert "| everything else (attention, norms, RoPE, sampling, Python) | | | 9.00 | 45% | |" in text
+
+
+def test_a_prefill_report_counts_the_prompt_rows():
+    spent = {((2048, 2048), 2_000_000): (0.004, 16.0)}
+    text = dp.report(0.010, spent, batch=1, rows=512)
+    assert text.startswith("prefill of 512 tokens: step 10.00 ms")
+    assert "| 2048 x 2048 | 16 | 32 | 4.00 | 40% | 8.0 | 8589.9 |" in text

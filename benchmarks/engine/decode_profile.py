@@ -97,9 +97,10 @@ def profile_prefill(model: str, tokens: int,
 
 
 def report(step: float, spent: dict[Key, tuple[float, float]], batch: int,
-           rows: int) -> str:
-    """`rows`: the tokens each linear call multiplies (the batch in decode, the prompt in
-    prefill; the head's call takes fewer there, so its GMAC/s is an upper bound)."""
+           rows: int | None = None) -> str:
+    """`rows`: the tokens each linear call multiplies (the batch in decode, the default; the
+    prompt in prefill, where the head's call takes fewer, so its GMAC/s is an upper bound)."""
+    rows = batch if rows is None else rows
     title = f"B={batch}" if rows == batch else f"prefill of {rows} tokens"
     lines = [f"{title}: step {step * 1e3:.2f} ms", "",
              "| linear (out x in) | calls / step | MB streamed / step | ms / step | share | GB/s "
