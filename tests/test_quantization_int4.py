@@ -257,39 +257,19 @@ def test_load_log_says_how_many_linears_went_without(smollm2_path, monkeypatch, 
     assert said and said[0].startswith(f"{len(loaded.model.layers) * 4 + 1} linears")
 
 
-def test_a_q4_0_tensor_keeps_minimums_of_minus_8_scales() -> None:
-    """Q4_0's grid, d of either sign, comes back with minimum = -8 scale in float16 exactly: the
-    AVX2 prefill path drops its minimum term only where every one is (group_gemm_avx2.c)."""
-    from chunkserve.model.layers.linear_int4 import exact_int4
-    g = torch.Generator().manual_seed(0)
-    d = (torch.rand(64, 4, generator=g) * 0.02 + 0.001) * torch.where(
-        torch.rand(64, 4, generator=g) < 0.5, -1.0, 1.0)
-    d = d.to(torch.float16).float()
-    q = torch.randint(0, 16, (64, 4, 32), generator=g)
-    q[..., 0] = 0  # llama.cpp's Q4_0: the largest magnitude is level 0
-    w = ((q - 8).float() * d[..., None]).reshape(64, 128)
-    found = exact_int4(w)
-    assert found is not None
-    levels, scale, low = found
-    scale16, low16 = scale.to(torch.float16).float(), low.to(torch.float16).float()
-    assert torch.equal(low16, -8 * scale16)
-    assert torch.equal(levels.reshape(64, 4, 32), q.to(torch.int32))
-
-
 @pytest.mark.skipif("avx2" not in C_KERNELS, reason="this build has no avx2 group GEMM")
 def test_avx2_prefill_rows_of_q4_0_weights_match_decode_rows_bit_for_bit() -> None:
     """From 20 rows on the avx2 kernel takes its prefill path, which on Q4_0's centred
     minimums skips their (zero) term: each row comes out as the decode path gives it alone."""
-    from chunkserve.model.layers.linear_int4 import exact_int4
     g = torch.Generator().manual_seed(1)
     d = ((torch.rand(48, 8, generator=g) * 0.02 + 0.001)
          * torch.where(torch.rand(48, 8, generator=g) < 0.5, -1.0, 1.0)).to(torch.float16)
     q = torch.randint(0, 16, (48, 8, 32), generator=g)
     q[..., 0] = 0
     w = ((q - 8).float() * d.float()[..., None]).reshape(48, 256)
-    found = exact_int4(w)
-    assert found is not None
-    gemm = group_gemm.GroupGemm.int4(C_KERNELS["avx2"], *found, max_rows=None)
+    scale = d.float()  # Q4_0's own grid: minimum -8 scale, the scale of either sign
+    gemm = group_gemm.GroupGemm.int4(C_KERNELS["avx2"], q.reshape(48, 256).to(torch.int32),
+                                     scale, -8 * scale, max_rows=None)
     x = torch.randn(24, 256, generator=g)
     wide = gemm(x)
     for m in (0, 7, 23):

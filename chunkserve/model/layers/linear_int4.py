@@ -66,21 +66,13 @@ def exact_int4(w: torch.Tensor) -> Quantized | None:
     n, k = w.shape
     groups = w.reshape(n, k // GROUP, GROUP)
     low, high = groups.amin(dim=-1), groups.amax(dim=-1)
-    # First Q4_0's own grid, as llama.cpp quantizes it: the weight of largest magnitude, m, is
-    # level 0 and d = -m / 8, negative where m > 0 (a negative scale is fine in every kernel's
-    # sums). Its blocks then keep minimum = -8 scale exactly, which the AVX2 prefill path
-    # skips a term for (group_gemm_avx2.c, `centred`); the grids after it were Q4_0's before,
-    # with positive steps only, and leave half its groups a minimum of -7 steps.
-    largest = torch.where(high.abs() > low.abs(), high, low)
-    candidates = ((-largest / 8, largest), ((high - low) / LEVELS, low), (-low / 8, low),
-                  (high / 8, -7 * high / 8))
+    candidates = ((high - low) / LEVELS, low), (-low / 8, low), (high / 8, -7 * high / 8)
     chosen = None
     for step, base in candidates:
-        tiny = step.abs() < 1e-12  # a constant group keeps a tiny step, of its own sign
-        step = torch.where(tiny, torch.where(step < 0, -1e-12, 1e-12), step)
+        step = step.clamp_min(1e-12)
         levels = torch.round((groups - base[..., None]) / step[..., None]).clamp_(0, LEVELS)
         err = (base[..., None] + levels * step[..., None] - groups).abs()
-        fits = (err <= 1e-3 * step.abs()[..., None] + 1e-7).all(dim=-1)
+        fits = (err <= 1e-3 * step[..., None] + 1e-7).all(dim=-1)
         if chosen is None:
             chosen = (levels, step, base, fits)
             continue
