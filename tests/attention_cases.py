@@ -28,6 +28,13 @@ CHUNKS = [(0, 2), (0, 16), (0, 17), (15, 33), (16, 16), (17, 5), (100, 40), (3, 
 CHUNK_HEADS = [(9, 3, 64), (4, 4, 64), (16, 2, 64), (8, 2, 128), (2, 2, 128)]
 
 
+def fits_pool(spec: list[tuple[int, int]], block_size: int) -> bool:
+    """Whether a (computed, new) spec's blocks fit the NUM_BLOCKS pool: random batches of up to
+    5 requests of 190 tokens at 8-token blocks can need 120 blocks, and a strategy `assume`s
+    this rather than fail in make_layout."""
+    return sum(-(-(p + n) // block_size) for p, n in spec) <= NUM_BLOCKS
+
+
 def make_layout(spec: list[tuple[int, int]], block_size: int, contiguous: bool,
                 seed: int = 0) -> BatchLayout:
     rng = np.random.default_rng(seed)

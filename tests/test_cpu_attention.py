@@ -6,11 +6,11 @@ import os
 import pytest
 import torch
 from attention_cases import (CHUNK_HEADS, CHUNKS, DECODE_HEADS, DECODES, FIRST_CHUNKS,
-                             KERNEL_DECODES, LATER_CHUNKS, MIXED, NUM_BLOCKS, make_layout,
-                             run_step)
+                             KERNEL_DECODES, LATER_CHUNKS, MIXED, NUM_BLOCKS, fits_pool,
+                             make_layout, run_step)
 
 LONG_DECODES = [(299, 1), (700, 1), (255, 1), (256, 1), (511, 1), (0, 1), (40, 30)]
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from chunkserve.model.kernels import cpu_library
@@ -173,6 +173,7 @@ def test_bfloat16_decodes_every_block_size_and_group(block_size, heads, kv_heads
     seed=st.integers(0, 100),
 )
 def test_bfloat16_decodes_random_batches(spec, block_size, group, head_dim, seed):
+    assume(fits_pool(spec, block_size))
     _bf16_step(make_layout(spec, block_size, contiguous=False, seed=seed), 2 * group, 2,
                head_dim)
 
@@ -201,6 +202,7 @@ def test_bfloat16_chunks_every_block_size_and_group(block_size, heads, kv_heads,
     seed=st.integers(0, 100),
 )
 def test_bfloat16_chunks_random_batches(spec, block_size, group, head_dim, seed):
+    assume(fits_pool(spec, block_size))
     _bf16_step(make_layout(spec, block_size, contiguous=False, seed=seed), 2 * group, 2,
                head_dim)
 

@@ -10,8 +10,8 @@ import platform
 import pytest
 import torch
 from attention_cases import (CHUNK_HEADS, CHUNKS, DECODE_HEADS, KERNEL_DECODES, MIXED,
-                             make_layout, run_step)
-from hypothesis import HealthCheck, given, settings
+                             fits_pool, make_layout, run_step)
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from chunkserve.model.attention.cpu_backend import CpuPagedAttention
@@ -81,6 +81,7 @@ def test_avx2_mixed_step(contiguous: bool) -> None:
 )
 def test_avx2_random_batches(spec: list[tuple[int, int]], block_size: int, group: int,
                              head_dim: int, seed: int) -> None:
+    assume(fits_pool(spec, block_size))
     _avx2_step(make_layout(spec, block_size, contiguous=False, seed=seed), 2 * group, 2,
                head_dim)
 
