@@ -53,9 +53,51 @@ def test_q4_0_weights_come_back_exactly():
     exact = exact_int4(q4_0)
     assert exact is not None
     torch.testing.assert_close(dequantize_int4(*exact), q4_0, rtol=0, atol=1e-6)
+    # Q4_0's own form, d of either sign: every minimum exactly -8 scales (the avx2 kernel's
+    # centred skip), where the per-group search gave d < 0 groups a flipped grid.
+    levels, scale, low = exact
+    assert torch.equal(low, -8 * scale) and (scale < 0).any() and (scale > 0).any()
     # The min/max grid of these groups would not have given them back.
     levels, scale, low = quantize_int4(q4_0)
     assert (dequantize_int4(levels, scale, low) - q4_0).abs().max() > 1e-3
+
+
+def q4_0_like(n: int, k: int, seed: int = 0) -> torch.Tensor:
+    """Blocks as gguf's Q4_0 packer writes them, dequantized: (q - 8) d, d of either sign."""
+    from gguf import GGMLQuantizationType, dequantize, quantize
+
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)).numpy()
+    blocks = dequantize(quantize(w, GGMLQuantizationType.Q4_0), GGMLQuantizationType.Q4_0)
+    return torch.from_numpy(blocks.copy()).float()
+
+
+def test_a_tensor_not_all_q4_0_keeps_the_per_group_grids():
+    """Q4_0's form is taken for a whole tensor or not at all: one Q4_1 group among Q4_0 ones
+    sends every group to the per-group search, which still gives each back exactly; a Q4_1
+    tensor's result is the min/max grid's, as before."""
+    w = q4_0_like(32, 128, seed=5)
+    w[3, :GROUP] = q4_1_like(1, GROUP, seed=1)[0]
+    exact = exact_int4(w)
+    assert exact is not None and not torch.equal(exact[2], -8 * exact[1])
+    torch.testing.assert_close(dequantize_int4(*exact), w, rtol=0, atol=1e-6)
+    zeros = q4_0_like(16, 64, seed=2)
+    zeros[0] = 0.0  # all-zero groups: d = 0, levels 8
+    levels, scale, low = exact_int4(zeros)  # type: ignore[misc]
+    assert torch.equal(dequantize_int4(levels, scale, low), zeros) and (scale[0] == 0).all()
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("rows", [1, 7, 25, 64])
+def test_q4_0_weights_of_either_sign_run_on_every_kernel(kernel, rows, monkeypatch):
+    """Negative scales (Q4_0's d < 0) with minimums of -8 scales, through `auto` on each
+    kernel, decode and prefill rows alike (bf16 activations where the kernel takes them)."""
+    w = q4_0_like(48, 256, seed=rows)
+    dtype = torch.float32 if kernel == "avx2" else torch.bfloat16
+    lin = on_kernel(lambda: make_linear(w, "auto", dtype), kernel, monkeypatch)
+    assert isinstance(lin, Int4Linear)
+    x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).to(dtype)
+    ref = F.linear(x.float(), w)
+    torch.testing.assert_close(lin(x).float(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
 
 
 def test_any_weight_rounds_to_half_a_step():

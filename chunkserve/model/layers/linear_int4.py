@@ -60,11 +60,17 @@ def exact_int4(w: torch.Tensor) -> Quantized | None:
     end of its range is -8d, the near one 7d, which its weights need not reach. So each group
     also tries that grid, from either end (d > 0: low = min, step = -min / 8; d < 0: the
     largest weight is -8d, step = max / 8, low = -7 steps). Without it a Q4_0 file, the most
-    common of them, ran int8: 1.8x the bytes a decode step streams."""
+    common of them, ran int8: 1.8x the bytes a decode step streams.
+
+    A tensor whose every group is Q4_0's first takes Q4_0's own form (`signed_q4_0`), so that
+    its minimums are exactly -8 scales: the avx2 kernel then skips the minimum's term."""
     if w.dim() != 2 or w.shape[1] % GROUP:
         return None
     n, k = w.shape
     groups = w.reshape(n, k // GROUP, GROUP)
+    signed = signed_q4_0(groups)
+    if signed is not None:
+        return signed[0].reshape(n, k), signed[1], signed[2]
     low, high = groups.amin(dim=-1), groups.amax(dim=-1)
     candidates = ((high - low) / LEVELS, low), (-low / 8, low), (high / 8, -7 * high / 8)
     chosen = None
@@ -86,6 +92,26 @@ def exact_int4(w: torch.Tensor) -> Quantized | None:
     if not bool(chosen[3].all()):
         return None
     return chosen[0].to(torch.int32).reshape(n, k), chosen[1], chosen[2]
+
+
+def signed_q4_0(groups: torch.Tensor) -> Quantized | None:
+    """groups [N, K / 32, 32] as Q4_0 blocks, w = (q - 8) d, when every group is one: (levels
+    [N, K / 32, 32] int32, scales d, minimums -8 d), d of either sign. Else None.
+
+    Decided for the whole tensor, not group by group, so that a Q4_1 tensor, a few of whose
+    groups may also fit this grid by chance, keeps the min/max grid for all of them (the
+    default model's tokens then stay as they were). Q4_0's quantizer maps a group's value of
+    largest |w| to q = 0, so d is that value over -8; an all-zero group keeps d = 0."""
+    at = groups.abs().argmax(dim=-1, keepdim=True)
+    d = groups.gather(-1, at).squeeze(-1) / -8
+    safe = torch.where(d == 0, torch.ones_like(d), d)
+    levels = torch.round(groups / safe[..., None]) + 8
+    levels = torch.where((d == 0)[..., None], torch.full_like(levels, 8), levels)
+    err = ((levels - 8) * d[..., None] - groups).abs()
+    if bool((levels < 0).any() or (levels > LEVELS).any()) or \
+            not bool((err <= 1e-3 * d.abs()[..., None] + 1e-7).all()):
+        return None
+    return levels.to(torch.int32), d, -8 * d
 
 
 class TorchInt4:
