@@ -42,14 +42,19 @@ def test_q4_1_weights_come_back_exactly():
     assert exact_int4(torch.randn(64, 90)) is None  # rows not a whole number of groups
 
 
+def q4_0_like(n: int, k: int, seed: int = 0) -> torch.Tensor:
+    """Blocks as gguf's Q4_0 packer writes them, dequantized: (q - 8) d, d of either sign."""
+    from gguf import GGMLQuantizationType, dequantize, quantize
+
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)).numpy()
+    blocks = dequantize(quantize(w, GGMLQuantizationType.Q4_0), GGMLQuantizationType.Q4_0)
+    return torch.from_numpy(blocks.copy()).float()
+
+
 def test_q4_0_weights_come_back_exactly():
     # Q4_0 blocks as llama.cpp writes them (gguf's packer): (q - 8) * d, the largest |w| at
     # q = 0 with d of either sign, the other end of the grid mostly unused.
-    from gguf import GGMLQuantizationType, dequantize, quantize
-
-    w = torch.randn(64, 256, generator=torch.Generator().manual_seed(3)).numpy()
-    blocks = dequantize(quantize(w, GGMLQuantizationType.Q4_0), GGMLQuantizationType.Q4_0)
-    q4_0 = torch.from_numpy(blocks.copy()).float()
+    q4_0 = q4_0_like(64, 256, seed=3)
     exact = exact_int4(q4_0)
     assert exact is not None
     torch.testing.assert_close(dequantize_int4(*exact), q4_0, rtol=0, atol=1e-6)
@@ -62,19 +67,10 @@ def test_q4_0_weights_come_back_exactly():
     assert (dequantize_int4(levels, scale, low) - q4_0).abs().max() > 1e-3
 
 
-def q4_0_like(n: int, k: int, seed: int = 0) -> torch.Tensor:
-    """Blocks as gguf's Q4_0 packer writes them, dequantized: (q - 8) d, d of either sign."""
-    from gguf import GGMLQuantizationType, dequantize, quantize
-
-    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)).numpy()
-    blocks = dequantize(quantize(w, GGMLQuantizationType.Q4_0), GGMLQuantizationType.Q4_0)
-    return torch.from_numpy(blocks.copy()).float()
-
-
 def test_a_tensor_not_all_q4_0_keeps_the_per_group_grids():
     """Q4_0's form is taken for a whole tensor or not at all: one Q4_1 group among Q4_0 ones
-    sends every group to the per-group search, which still gives each back exactly; a Q4_1
-    tensor's result is the min/max grid's, as before."""
+    sends every group to the per-group search, which still gives each back exactly (a whole
+    Q4_1 tensor: test_q4_1_weights_come_back_exactly). All-zero groups keep d = 0."""
     w = q4_0_like(32, 128, seed=5)
     w[3, :GROUP] = q4_1_like(1, GROUP, seed=1)[0]
     exact = exact_int4(w)

@@ -70,7 +70,7 @@ def exact_int4(w: torch.Tensor) -> Quantized | None:
     groups = w.reshape(n, k // GROUP, GROUP)
     signed = signed_q4_0(groups)
     if signed is not None:
-        return signed[0].reshape(n, k), signed[1], signed[2]
+        return signed
     low, high = groups.amin(dim=-1), groups.amax(dim=-1)
     candidates = ((high - low) / LEVELS, low), (-low / 8, low), (high / 8, -7 * high / 8)
     chosen = None
@@ -96,7 +96,7 @@ def exact_int4(w: torch.Tensor) -> Quantized | None:
 
 def signed_q4_0(groups: torch.Tensor) -> Quantized | None:
     """groups [N, K / 32, 32] as Q4_0 blocks, w = (q - 8) d, when every group is one: (levels
-    [N, K / 32, 32] int32, scales d, minimums -8 d), d of either sign. Else None.
+    [N, K] int32, scales d, minimums -8 d), d of either sign. Else None.
 
     Decided for the whole tensor, not group by group, so that a Q4_1 tensor, a few of whose
     groups may also fit this grid by chance, keeps the min/max grid for all of them (the
@@ -104,14 +104,13 @@ def signed_q4_0(groups: torch.Tensor) -> Quantized | None:
     largest |w| to q = 0, so d is that value over -8; an all-zero group keeps d = 0."""
     at = groups.abs().argmax(dim=-1, keepdim=True)
     d = groups.gather(-1, at).squeeze(-1) / -8
-    safe = torch.where(d == 0, torch.ones_like(d), d)
-    levels = torch.round(groups / safe[..., None]) + 8
-    levels = torch.where((d == 0)[..., None], torch.full_like(levels, 8), levels)
+    # An all-zero group divides by 1 instead of 0: its levels come out 8, (8 - 8) * 0 = 0.
+    levels = torch.round(groups / torch.where(d == 0, 1.0, d)[..., None]) + 8
     err = ((levels - 8) * d[..., None] - groups).abs()
     if bool((levels < 0).any() or (levels > LEVELS).any()) or \
             not bool((err <= 1e-3 * d.abs()[..., None] + 1e-7).all()):
         return None
-    return levels.to(torch.int32), d, -8 * d
+    return levels.to(torch.int32).reshape(groups.shape[0], -1), d, -8 * d
 
 
 class TorchInt4:
